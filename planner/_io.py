@@ -1,0 +1,56 @@
+"""Atomic file and directory writes: a crash never leaves a half-written artifact.
+
+Every artifact is first written under a hidden temporary name in the destination's own
+directory (same filesystem), then moved into place with ``os.replace``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path next to ``dest``; on success rename it onto ``dest``.
+
+    Works for a file or a directory written at the yielded path. On error the temporary
+    path is removed and ``dest`` is left exactly as it was.
+    """
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    tmp.unlink()
+    try:
+        yield tmp
+        if dest.is_dir() and not dest.is_symlink():
+            # os.replace cannot replace a non-empty directory: swap via a backup name.
+            backup = dest.with_name(f".{dest.name}.old")
+            if backup.exists():
+                shutil.rmtree(backup)
+            os.replace(dest, backup)
+            os.replace(tmp, dest)
+            shutil.rmtree(backup)
+        else:
+            os.replace(tmp, dest)
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif tmp.exists():
+            tmp.unlink()
+
+
+def write_bytes_atomic(dest: str | os.PathLike, data: bytes) -> None:
+    with atomic_path(dest) as tmp:
+        tmp.write_bytes(data)
+
+
+def write_json_atomic(dest: str | os.PathLike, obj: object) -> None:
+    write_bytes_atomic(dest, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())

@@ -1,0 +1,25 @@
+"""The typer applications every command module registers on, and shared option helpers."""
+
+from __future__ import annotations
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(
+    name="moeplan",
+    help="Plan expert placement and token routing for expert-parallel MoE serving.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+trace_app = typer.Typer(
+    help="Inspect, synthesise and ingest routing traces.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(trace_app, name="trace")
+
+# Summaries go to stdout; progress bars and warnings to stderr.
+console = Console()
+err_console = Console(stderr=True)

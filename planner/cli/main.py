@@ -1,0 +1,47 @@
+"""Entry point of the ``moeplan`` console script."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+# Importing the command modules registers their commands on the apps.
+from planner.cli import profile as _profile  # noqa: F401
+from planner.cli import trace as _trace  # noqa: F401
+from planner.cli.app import app
+from planner.errors import MoeplanError
+
+# Library exceptions -> one line, and the exit code. Anything not listed is a bug and keeps
+# its traceback.
+_USER_ERRORS: tuple[type[BaseException], ...] = (MoeplanError, FileNotFoundError, PermissionError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        result = app(args=argv, prog_name="moeplan", standalone_mode=False)
+    except click.exceptions.ClickException as e:
+        e.show()
+        return e.exit_code
+    except click.exceptions.Abort:
+        print("moeplan: aborted", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print(
+            "moeplan: interrupted; finished parts are kept (use --resume to continue)",
+            file=sys.stderr,
+        )
+        return 130
+    except _USER_ERRORS as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"moeplan: error: {msg}", file=sys.stderr)
+        return getattr(e, "exit_code", 2)
+    return result if isinstance(result, int) else 0
+
+
+def run() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,1 @@
+"""``moeplan profile`` (filled in by the profile stage)."""

@@ -1,0 +1,91 @@
+"""Summaries of a trace: shapes, token and request counts, per-layer expert-load skewness."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from rich.table import Table
+
+from planner.trace.io import TraceBatch, open_trace
+from planner.trace.schema import TraceMeta
+
+
+class LoadAccumulator:
+    """Streams trace batches and accumulates what a summary needs.
+
+    Attributes:
+        load: [L, N] int64, routed activations of each expert of each MoE layer.
+        tokens: token occurrences seen.
+    """
+
+    def __init__(self, meta: TraceMeta):
+        self.meta = meta
+        self.load = np.zeros((meta.num_layers, meta.num_experts), np.int64)
+        self.tokens = 0
+        self._requests: set[int] = set()
+        self._seen_tokens = np.zeros(meta.vocab_size, bool)
+
+    def add(self, batch: TraceBatch) -> None:
+        n, big_l = self.meta.num_experts, self.meta.num_layers
+        flat = batch.experts.astype(np.int64) + (np.arange(big_l) * n)[None, :, None]
+        self.load += np.bincount(flat.ravel(), minlength=big_l * n).reshape(big_l, n)
+        self.tokens += len(batch)
+        self._requests.update(np.unique(batch.request_id).tolist())
+        known = batch.token_id[batch.token_id >= 0]
+        self._seen_tokens[known] = True
+
+    @property
+    def skewness(self) -> np.ndarray:
+        """[L] max/mean expert load per layer (1.0 = perfectly even)."""
+        mean = self.load.mean(axis=1)
+        return np.where(mean > 0, self.load.max(axis=1) / np.maximum(mean, 1e-12), np.nan)
+
+    def summary(self) -> dict:
+        skew = self.skewness
+        return {
+            "tokens": int(self.tokens),
+            "requests": len(self._requests),
+            "distinct_tokens": int(self._seen_tokens.sum()),
+            "skewness_per_layer": [round(float(s), 4) for s in skew],
+            "skewness_mean": round(float(np.nanmean(skew)), 4) if self.tokens else None,
+        }
+
+
+def trace_summary(path: str | Path) -> dict:
+    """Everything ``moeplan trace info`` prints, as a JSON-ready dict."""
+    trace = open_trace(path)
+    acc = LoadAccumulator(trace.meta)
+    for batch in trace.iter_batches():
+        acc.add(batch)
+    m = trace.meta
+    size = sum(p.stat().st_size for p in trace.parts)
+    return {
+        "path": str(path),
+        "model": m.model,
+        "source": m.source,
+        "fingerprint": m.fingerprint(),
+        "num_layers": m.num_layers,
+        "num_experts": m.num_experts,
+        "top_k": m.top_k,
+        "vocab_size": m.vocab_size,
+        "moe_layer_indices": list(m.moe_layer_indices),
+        "parts": len(trace.parts),
+        "bytes": size,
+        "bytes_per_token": round(size / acc.tokens, 2) if acc.tokens else None,
+    } | acc.summary()
+
+
+def render_summary(s: dict) -> Table:
+    """A rich table of :func:`trace_summary`'s output, for a person to read."""
+    table = Table(title=f"trace {s['path']}", show_header=False, title_justify="left")
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    for key in ("model", "source", "fingerprint", "num_layers", "num_experts", "top_k",
+                "vocab_size", "tokens", "requests", "distinct_tokens", "parts", "bytes",
+                "bytes_per_token", "skewness_mean"):  # fmt: skip
+        table.add_row(key, str(s.get(key)))
+    layers = s["moe_layer_indices"]
+    skew = ", ".join(f"L{i}:{v:.2f}" for i, v in zip(layers, s["skewness_per_layer"], strict=True))
+    table.add_row("skewness (max/mean)", skew)
+    return table

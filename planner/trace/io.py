@@ -1,0 +1,326 @@
+"""Read and write v1 traces: one Parquet file, or a directory of ``part-*.parquet`` files.
+
+Reading streams fixed-size batches so a trace may be far larger than memory. Every part's
+metadata must agree (same model and shapes) and every batch is range-checked against it.
+Writes are atomic: a part appears under its final name only once it is complete.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from planner._io import atomic_path
+from planner.errors import InputError, MismatchError, SchemaError
+from planner.trace.schema import (
+    META_KEY,
+    REQUIRED_COLUMNS,
+    TraceMeta,
+    arrow_schema,
+    check_arrow_schema,
+)
+
+PART_GLOB = "part-*.parquet"
+_PART_RE = re.compile(r"^part-(\d+)\.parquet$")
+DEFAULT_BATCH_ROWS = 65536
+
+
+@dataclass
+class TraceBatch:
+    """A block of trace rows as numpy arrays (T rows, L MoE layers, k routed experts).
+
+    Attributes:
+        request_id: [T] int64.
+        position: [T] int32.
+        token_id: [T] int32, -1 when unknown.
+        experts: [T, L, k] int16, rank-r expert of layer l at ``experts[t, l, r]``.
+        weights: [T, L, k] float16, descending along the last axis.
+        extras: other columns that were asked for by name, each [T].
+    """
+
+    request_id: np.ndarray
+    position: np.ndarray
+    token_id: np.ndarray
+    experts: np.ndarray
+    weights: np.ndarray
+    extras: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.request_id.shape[0])
+
+    @classmethod
+    def from_arrays(
+        cls,
+        request_id,
+        position,
+        token_id,
+        experts,
+        weights,
+        extras: dict[str, np.ndarray] | None = None,
+    ) -> TraceBatch:
+        """Build a batch, casting to the schema's dtypes (``experts`` is [T, L, k])."""
+        experts = np.asarray(experts)
+        if experts.ndim != 3:
+            raise SchemaError(f"experts must be [T, L, k], got shape {experts.shape}")
+        weights = np.asarray(weights)
+        if weights.shape != experts.shape:
+            raise SchemaError(f"weights shape {weights.shape} != experts shape {experts.shape}")
+        t = experts.shape[0]
+        cols = [np.asarray(request_id), np.asarray(position), np.asarray(token_id)]
+        for name, col in zip(("request_id", "position", "token_id"), cols, strict=True):
+            if col.shape != (t,):
+                raise SchemaError(f"{name} must have shape ({t},), got {col.shape}")
+        return cls(
+            cols[0].astype(np.int64, copy=False),
+            cols[1].astype(np.int32, copy=False),
+            cols[2].astype(np.int32, copy=False),
+            experts.astype(np.int16, copy=False),
+            weights.astype(np.float16, copy=False),
+            dict(extras or {}),
+        )
+
+    @classmethod
+    def concat(cls, batches: list[TraceBatch]) -> TraceBatch:
+        if not batches:
+            raise ValueError("concat needs at least one batch")
+        keys = set(batches[0].extras)
+        return cls(
+            np.concatenate([b.request_id for b in batches]),
+            np.concatenate([b.position for b in batches]),
+            np.concatenate([b.token_id for b in batches]),
+            np.concatenate([b.experts for b in batches]),
+            np.concatenate([b.weights for b in batches]),
+            {k: np.concatenate([b.extras[k] for b in batches]) for k in keys},
+        )
+
+    def select(self, mask_or_index: np.ndarray) -> TraceBatch:
+        """Rows picked by a boolean mask or an index array."""
+        m = mask_or_index
+        return TraceBatch(
+            self.request_id[m],
+            self.position[m],
+            self.token_id[m],
+            self.experts[m],
+            self.weights[m],
+            {k: v[m] for k, v in self.extras.items()},
+        )
+
+    def validate(self, meta: TraceMeta, where: str = "trace") -> None:
+        """Raise :class:`SchemaError` if shapes or ids disagree with ``meta``."""
+        t = len(self)
+        want = (t, meta.num_layers, meta.top_k)
+        if self.experts.shape != want:
+            raise SchemaError(f"{where}: experts shape {self.experts.shape}, metadata says {want}")
+        if self.weights.shape != want:
+            raise SchemaError(f"{where}: weights shape {self.weights.shape}, metadata says {want}")
+        if t == 0:
+            return
+        lo, hi = int(self.experts.min()), int(self.experts.max())
+        if lo < 0 or hi >= meta.num_experts:
+            bad = lo if lo < 0 else hi
+            raise SchemaError(
+                f"{where}: expert id {bad} outside [0, {meta.num_experts}) declared by num_experts"
+            )
+        lo, hi = int(self.token_id.min()), int(self.token_id.max())
+        if lo < -1 or hi >= meta.vocab_size:
+            bad = lo if lo < -1 else hi
+            raise SchemaError(
+                f"{where}: token id {bad} outside [-1, {meta.vocab_size}) (vocab_size)"
+            )
+
+    def to_table(self, meta: TraceMeta) -> pa.Table:
+        schema = arrow_schema(meta)
+        width = meta.row_width
+        t = len(self)
+        experts = pa.FixedSizeListArray.from_arrays(
+            pa.array(np.ascontiguousarray(self.experts).reshape(t * width), pa.int16()), width
+        )
+        weights = pa.FixedSizeListArray.from_arrays(
+            pa.array(np.ascontiguousarray(self.weights).reshape(t * width), pa.float16()), width
+        )
+        arrays = [
+            pa.array(self.request_id, pa.int64()),
+            pa.array(self.position, pa.int32()),
+            pa.array(self.token_id, pa.int32()),
+            experts.cast(schema.field("experts").type),
+            weights.cast(schema.field("weights").type),
+        ]
+        table = pa.Table.from_arrays(arrays, schema=schema)
+        for name, values in self.extras.items():
+            table = table.append_column(name, pa.array(values))
+        return table.replace_schema_metadata(schema.metadata)
+
+
+def _list_values(arr: pa.Array, rows: int, meta: TraceMeta, dtype) -> np.ndarray:
+    values = arr.flatten().to_numpy(zero_copy_only=False)
+    return values.astype(dtype, copy=False).reshape(rows, meta.num_layers, meta.top_k)
+
+
+def _batch_from_record_batch(
+    rb: pa.RecordBatch, meta: TraceMeta, extras: tuple[str, ...]
+) -> TraceBatch:
+    t = rb.num_rows
+    col = rb.column
+    names = rb.schema.names
+    return TraceBatch(
+        col(names.index("request_id")).to_numpy(zero_copy_only=False).astype(np.int64, copy=False),
+        col(names.index("position")).to_numpy(zero_copy_only=False).astype(np.int32, copy=False),
+        col(names.index("token_id")).to_numpy(zero_copy_only=False).astype(np.int32, copy=False),
+        _list_values(col(names.index("experts")), t, meta, np.int16),
+        _list_values(col(names.index("weights")), t, meta, np.float16),
+        {e: col(names.index(e)).to_numpy(zero_copy_only=False) for e in extras},
+    )
+
+
+def trace_parts(path: str | Path) -> list[Path]:
+    """The Parquet files that make up the trace at ``path`` (a file or a directory)."""
+    p = Path(path)
+    if p.is_file():
+        return [p]
+    if p.is_dir():
+        parts = sorted(q for q in p.glob(PART_GLOB) if q.is_file())
+        if not parts:
+            raise InputError(f"{p}: directory holds no {PART_GLOB} files; it is not a trace")
+        return parts
+    raise InputError(f"{p}: no such trace file or directory")
+
+
+def _read_part_meta(part: Path) -> tuple[TraceMeta, pa.Schema, int]:
+    try:
+        pf = pq.ParquetFile(part)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise SchemaError(f"{part}: not a Parquet file ({str(e).splitlines()[0]})") from None
+    schema = pf.schema_arrow
+    md = schema.metadata or {}
+    if META_KEY not in md:
+        if b"schema" in md.get(META_KEY, b"") or {"layer", "expert", "count"} <= set(schema.names):
+            raise SchemaError(f"{part}: this is a token-expert counts table, not a v1 trace")
+        raise SchemaError(f"{part}: not a v1 trace (no 'moeplan' metadata in the Parquet schema)")
+    raw = md[META_KEY]
+    if b'"schema": "counts"' in raw:
+        raise SchemaError(f"{part}: this is a token-expert counts table, not a v1 trace")
+    meta = TraceMeta.from_json(raw, where=str(part))
+    check_arrow_schema(schema, meta, str(part))
+    return meta, schema, pf.metadata.num_rows
+
+
+class Trace:
+    """A v1 trace on disk, opened lazily: metadata is read now, rows when iterated.
+
+    Attributes:
+        path: the file or directory given.
+        parts: its Parquet files, in order.
+        meta: the shared :class:`TraceMeta`.
+        num_rows: token occurrences over all parts.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.parts = trace_parts(self.path)
+        metas = [_read_part_meta(p) for p in self.parts]
+        self.meta = metas[0][0]
+        for part, (meta, _, _) in zip(self.parts[1:], metas[1:], strict=True):
+            if meta.fingerprint() != self.meta.fingerprint():
+                raise MismatchError(
+                    f"{part}: part from a different model or shape "
+                    f"({meta.model!r}, L={meta.num_layers}, N={meta.num_experts}, k={meta.top_k}) "
+                    f"than {self.parts[0].name} ({self.meta.model!r}, L={self.meta.num_layers}, "
+                    f"N={self.meta.num_experts}, k={self.meta.top_k})"
+                )
+        self._schemas = [s for _, s, _ in metas]
+        self.part_rows = [n for _, _, n in metas]
+        self.num_rows = sum(self.part_rows)
+
+    def __repr__(self) -> str:
+        return f"Trace({str(self.path)!r}, rows={self.num_rows}, meta={self.meta})"
+
+    def extra_columns(self) -> list[str]:
+        return [n for n in self._schemas[0].names if n not in REQUIRED_COLUMNS]
+
+    def iter_batches(
+        self,
+        batch_rows: int = DEFAULT_BATCH_ROWS,
+        *,
+        extras: tuple[str, ...] = (),
+        validate: bool = True,
+    ) -> Iterator[TraceBatch]:
+        """Stream the trace as :class:`TraceBatch` blocks of at most ``batch_rows`` rows."""
+        columns = list(REQUIRED_COLUMNS) + list(extras)
+        for part, schema in zip(self.parts, self._schemas, strict=True):
+            missing = [e for e in extras if e not in schema.names]
+            if missing:
+                raise SchemaError(f"{part}: has no column(s) {', '.join(missing)}")
+            pf = pq.ParquetFile(part)
+            for rb in pf.iter_batches(batch_size=batch_rows, columns=columns):
+                batch = _batch_from_record_batch(rb, self.meta, tuple(extras))
+                if validate:
+                    batch.validate(self.meta, where=str(part))
+                yield batch
+
+    def read_all(self, *, extras: tuple[str, ...] = ()) -> TraceBatch:
+        """Every row in memory at once (for small traces and tests)."""
+        batches = list(self.iter_batches(extras=extras))
+        if not batches:
+            return TraceBatch.from_arrays(
+                np.zeros(0), np.zeros(0), np.zeros(0),
+                np.zeros((0, self.meta.num_layers, self.meta.top_k)),
+                np.zeros((0, self.meta.num_layers, self.meta.top_k)),
+            )  # fmt: skip
+        return TraceBatch.concat(batches)
+
+    def request_ids(self) -> np.ndarray:
+        """Sorted distinct request ids (reads one column only)."""
+        seen = [pq.read_table(p, columns=["request_id"]).column(0).to_numpy() for p in self.parts]
+        return np.unique(np.concatenate(seen)) if seen else np.zeros(0, np.int64)
+
+
+def open_trace(path: str | Path) -> Trace:
+    """Open the v1 trace at ``path``; raise a one-line error if it is not one."""
+    return Trace(path)
+
+
+def write_trace(path: str | Path, meta: TraceMeta, batch: TraceBatch) -> Path:
+    """Write ``batch`` as a single-file trace at ``path`` (atomically)."""
+    batch.validate(meta, where=str(path))
+    table = batch.to_table(meta)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp, compression="zstd")
+    return Path(path)
+
+
+class TraceWriter:
+    """Append parts to a trace directory, each part written atomically.
+
+    Existing parts must belong to the same model; new parts are numbered after them, so a
+    writer can continue an interrupted run.
+    """
+
+    def __init__(self, directory: str | Path, meta: TraceMeta):
+        self.directory = Path(directory)
+        self.meta = meta
+        if self.directory.exists() and not self.directory.is_dir():
+            raise InputError(f"{self.directory}: exists and is not a directory")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        existing = sorted(self.directory.glob(PART_GLOB))
+        if existing:
+            other = Trace(self.directory).meta
+            if other.fingerprint() != meta.fingerprint():
+                raise MismatchError(
+                    f"{self.directory}: already holds a trace of {other.model!r}; "
+                    f"refusing to add parts of {meta.model!r}"
+                )
+        indices = [int(m.group(1)) for q in existing if (m := _PART_RE.match(q.name))]
+        self._next = max(indices, default=-1) + 1
+
+    def write(self, batch: TraceBatch) -> Path:
+        """Write ``batch`` as the next ``part-NNNNN.parquet`` and return its path."""
+        dest = self.directory / f"part-{self._next:05d}.parquet"
+        write_trace(dest, self.meta, batch)
+        self._next += 1
+        return dest
