@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import sys
 
-import click
+import typer
 
 # Importing the command modules registers their commands on the apps.
 from planner.cli import profile as _profile  # noqa: F401
 from planner.cli import trace as _trace  # noqa: F401
 from planner.cli.app import app
 from planner.errors import MoeplanError
+
+try:  # recent typer vendors its own copy of click
+    from typer._click.exceptions import ClickException
+except ImportError:  # pragma: no cover - older typer
+    from click.exceptions import ClickException
 
 # Library exceptions -> one line, and the exit code. Anything not listed is a bug and keeps
 # its traceback.
@@ -20,10 +25,10 @@ _USER_ERRORS: tuple[type[BaseException], ...] = (MoeplanError, FileNotFoundError
 def main(argv: list[str] | None = None) -> int:
     try:
         result = app(args=argv, prog_name="moeplan", standalone_mode=False)
-    except click.exceptions.ClickException as e:
+    except ClickException as e:
         e.show()
         return e.exit_code
-    except click.exceptions.Abort:
+    except typer.Abort:
         print("moeplan: aborted", file=sys.stderr)
         return 130
     except KeyboardInterrupt:

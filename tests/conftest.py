@@ -1,0 +1,51 @@
+"""Fixtures shared by every stage's tests."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from planner.trace import TraceBatch, TraceMeta
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("MOEPLAN_SHARED", REPO.parent / "shared"))
+REALDATA = SHARED / "realdata"
+FLAME_TRACE = REALDATA / "flame-moe-290m-prefill.parquet"
+OLMOE_COUNTS = REALDATA / "olmoe-mixtral-token-expert-counts.parquet"
+
+# Tests must never reach a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def random_batch(meta: TraceMeta, rows: int, seed: int = 0, requests: int = 4) -> TraceBatch:
+    """A valid random batch: distinct experts per layer, descending weights summing to 1."""
+    rng = np.random.default_rng(seed)
+    big_l, n, k = meta.num_layers, meta.num_experts, meta.top_k
+    experts = np.argsort(rng.random((rows, big_l, n)), axis=-1)[..., :k]
+    w = np.sort(rng.random((rows, big_l, k)), axis=-1)[..., ::-1]
+    w = w / w.sum(-1, keepdims=True)
+    request_id = np.sort(rng.integers(0, requests, rows))
+    position = np.zeros(rows, np.int32)
+    for r in np.unique(request_id):
+        idx = np.flatnonzero(request_id == r)
+        position[idx] = np.arange(idx.size)
+    token_id = rng.integers(0, meta.vocab_size, rows)
+    return TraceBatch.from_arrays(request_id, position, token_id, experts, w)
+
+
+@pytest.fixture
+def small_meta() -> TraceMeta:
+    return TraceMeta(
+        model="test/tiny", num_layers=3, num_experts=8, top_k=2, vocab_size=50,
+        moe_layer_indices=(1, 2, 3), source="tests",
+    )  # fmt: skip
+
+
+def require(path: Path) -> Path:
+    if not path.exists():
+        pytest.skip(f"{path} not found (shared/ is not beside the checkout)")
+    return path

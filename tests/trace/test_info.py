@@ -1,0 +1,43 @@
+"""``trace info``: counts and skewness, on a hand-made trace and on the real FLAME-MoE one."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from planner.cli.main import main
+from planner.trace import TraceBatch, TraceMeta, write_trace
+from planner.trace.info import trace_summary
+from tests.conftest import FLAME_TRACE, require
+
+
+def test_summary_counts_and_skewness(tmp_path):
+    meta = TraceMeta("m", num_layers=2, num_experts=4, top_k=1, vocab_size=10)
+    # Layer 0: every token to expert 0 -> skew = 4 (max 4 / mean 1). Layer 1: even -> 1.
+    experts = np.array([[[0], [0]], [[0], [1]], [[0], [2]], [[0], [3]]])
+    batch = TraceBatch.from_arrays(
+        [0, 0, 1, 1], [0, 1, 0, 1], [3, 3, 4, 5], experts, np.ones((4, 2, 1))
+    )
+    path = write_trace(tmp_path / "t.parquet", meta, batch)
+    s = trace_summary(path)
+    assert s["tokens"] == 4 and s["requests"] == 2 and s["distinct_tokens"] == 3
+    assert s["skewness_per_layer"] == [4.0, 1.0]
+
+
+def test_cli_info_on_real_trace(capsys):
+    path = require(FLAME_TRACE)
+    assert main(["trace", "info", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"] == "CMU-FLAME/FLAME-MoE-290M-1.3B"
+    assert out["tokens"] == 2048 and out["requests"] == 32
+    assert len(out["skewness_per_layer"]) == 8
+    assert all(1.2 < s < 2.0 for s in out["skewness_per_layer"])  # README: about 1.4-1.9
+    assert main(["trace", "info", str(path)]) == 0
+    assert "skewness" in capsys.readouterr().out
+
+
+def test_cli_error_is_one_line(tmp_path, capsys):
+    assert main(["trace", "info", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"moeplan: error: {tmp_path / 'nope'}: no such trace file or directory"]

@@ -1,0 +1,167 @@
+"""Trace schema v1: write-then-read round trips and the errors a bad trace must raise."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from planner.errors import InputError, MismatchError, SchemaError
+from planner.trace import TraceMeta, TraceWriter, arrow_schema, open_trace, write_trace
+from tests.conftest import FLAME_TRACE, OLMOE_COUNTS, random_batch, require
+
+
+def _assert_same(a, b):
+    np.testing.assert_array_equal(a.request_id, b.request_id)
+    np.testing.assert_array_equal(a.position, b.position)
+    np.testing.assert_array_equal(a.token_id, b.token_id)
+    np.testing.assert_array_equal(a.experts, b.experts)
+    np.testing.assert_array_equal(a.weights, b.weights)
+
+
+def test_single_file_round_trip(tmp_path, small_meta):
+    batch = random_batch(small_meta, 123)
+    path = write_trace(tmp_path / "t.parquet", small_meta, batch)
+    trace = open_trace(path)
+    assert trace.meta == small_meta
+    assert trace.num_rows == 123
+    back = trace.read_all()
+    _assert_same(batch, back)
+    assert back.experts.dtype == np.int16 and back.weights.dtype == np.float16
+    # The on-disk schema is exactly DESIGN.md's.
+    schema = pq.ParquetFile(path).schema_arrow
+    assert schema.field("experts").type == pa.list_(pa.int16(), 6)
+    assert schema.field("weights").type == pa.list_(pa.float16(), 6)
+    meta_json = json.loads(schema.metadata[b"moeplan"])
+    assert meta_json["schema_version"] == 1
+    assert meta_json["moe_layer_indices"] == [1, 2, 3]
+
+
+def test_directory_round_trip_streams_in_chunks(tmp_path, small_meta):
+    writer = TraceWriter(tmp_path / "tr", small_meta)
+    batches = [random_batch(small_meta, n, seed=i) for i, n in enumerate([50, 7, 200])]
+    paths = [writer.write(b) for b in batches]
+    assert [p.name for p in paths] == [
+        "part-00000.parquet",
+        "part-00001.parquet",
+        "part-00002.parquet",
+    ]
+    trace = open_trace(tmp_path / "tr")
+    chunks = list(trace.iter_batches(batch_rows=16))
+    assert max(len(c) for c in chunks) <= 16
+    from planner.trace import TraceBatch
+
+    _assert_same(TraceBatch.concat(batches), TraceBatch.concat(chunks))
+    # A second writer continues the numbering instead of overwriting.
+    assert TraceWriter(tmp_path / "tr", small_meta).write(batches[0]).name == "part-00003.parquet"
+
+
+def test_extra_columns_are_kept_and_ignored(tmp_path, small_meta):
+    batch = random_batch(small_meta, 20)
+    batch.extras["domain"] = np.array(["a", "b"] * 10)
+    path = write_trace(tmp_path / "t.parquet", small_meta, batch)
+    trace = open_trace(path)
+    assert trace.extra_columns() == ["domain"]
+    assert list(trace.read_all(extras=("domain",)).extras["domain"][:2]) == ["a", "b"]
+    assert trace.read_all().extras == {}
+
+
+def test_not_a_trace(tmp_path):
+    plain = tmp_path / "plain.parquet"
+    pq.write_table(pa.table({"x": [1, 2]}), plain)
+    with pytest.raises(SchemaError, match="no 'moeplan' metadata"):
+        open_trace(plain)
+    junk = tmp_path / "junk.parquet"
+    junk.write_text("hello")
+    with pytest.raises(SchemaError, match="not a Parquet file"):
+        open_trace(junk)
+    with pytest.raises(InputError, match="no such trace"):
+        open_trace(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InputError, match="no part-"):
+        open_trace(tmp_path / "empty")
+
+
+def test_counts_table_is_not_a_trace():
+    with pytest.raises(SchemaError, match="counts table"):
+        open_trace(require(OLMOE_COUNTS))
+
+
+def test_parts_from_different_models(tmp_path, small_meta):
+    d = tmp_path / "tr"
+    TraceWriter(d, small_meta).write(random_batch(small_meta, 10))
+    other = TraceMeta("test/other", 3, 8, 2, 50)
+    write_trace(d / "part-00001.parquet", other, random_batch(other, 10))
+    with pytest.raises(MismatchError, match="different model"):
+        open_trace(d)
+    TraceWriter(tmp_path / "tr2", small_meta).write(random_batch(small_meta, 3))
+    with pytest.raises(MismatchError, match="refusing"):
+        TraceWriter(tmp_path / "tr2", other)
+
+
+def test_ids_and_shapes_must_agree_with_metadata(tmp_path, small_meta):
+    batch = random_batch(small_meta, 10)
+    bad = batch.select(np.arange(10))
+    bad.experts = bad.experts.copy()
+    bad.experts[3, 1, 0] = 8  # num_experts is 8
+    table = bad.to_table(small_meta)
+    pq.write_table(table, tmp_path / "bad.parquet")
+    with pytest.raises(SchemaError, match="expert id 8 outside"):
+        open_trace(tmp_path / "bad.parquet").read_all()
+    with pytest.raises(SchemaError, match="expert id 8"):
+        write_trace(tmp_path / "bad2.parquet", small_meta, bad)
+    assert not (tmp_path / "bad2.parquet").exists()
+
+    bad_tok = batch.select(np.arange(10))
+    bad_tok.token_id = bad_tok.token_id.copy()
+    bad_tok.token_id[0] = 50
+    pq.write_table(bad_tok.to_table(small_meta), tmp_path / "badtok.parquet")
+    with pytest.raises(SchemaError, match="token id 50"):
+        open_trace(tmp_path / "badtok.parquet").read_all()
+
+    # List width disagreeing with num_layers * top_k.
+    wide = TraceMeta("test/tiny", 3, 8, 3, 50)
+    table = random_batch(wide, 5).to_table(wide)
+    table = table.replace_schema_metadata({b"moeplan": small_meta.to_json().encode()})
+    pq.write_table(table, tmp_path / "wide.parquet")
+    with pytest.raises(SchemaError, match="9 entries per row"):
+        open_trace(tmp_path / "wide.parquet")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"top_k": 9}, "exceeds num_experts"),
+        ({"num_layers": 0}, "positive integer"),
+        ({"moe_layer_indices": (0, 1)}, "moe_layer_indices has 2"),
+        ({"schema_version": 2}, "not supported"),
+    ],
+)
+def test_metadata_validation(change, message):
+    kwargs = {"model": "m", "num_layers": 3, "num_experts": 8, "top_k": 2, "vocab_size": 5} | change
+    with pytest.raises(SchemaError, match=message):
+        TraceMeta(**kwargs)
+
+
+def test_meta_json_round_trip(small_meta):
+    assert TraceMeta.from_json(small_meta.to_json()) == small_meta
+    assert arrow_schema(small_meta).metadata[b"moeplan"] == small_meta.to_json().encode()
+    with pytest.raises(SchemaError, match="lacks"):
+        TraceMeta.from_json('{"model": "x"}')
+
+
+def test_real_flame_trace_reads_as_v1():
+    trace = open_trace(require(FLAME_TRACE))
+    m = trace.meta
+    assert (m.num_layers, m.num_experts, m.top_k, m.vocab_size) == (8, 64, 6, 50304)
+    assert m.moe_layer_indices == tuple(range(2, 10))
+    batch = trace.read_all()
+    assert len(batch) == 2048 and len(trace.request_ids()) == 32
+    # Weights are descending within each layer, as the schema promises.
+    assert (np.diff(batch.weights.astype(np.float32), axis=-1) <= 0).all()
+    # Experts within a layer are distinct.
+    s = np.sort(batch.experts, axis=-1)
+    assert (np.diff(s, axis=-1) > 0).all()
