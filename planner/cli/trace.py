@@ -1,4 +1,4 @@
-"""``moeplan trace info|synth|ingest``."""
+"""``moeplan trace info|synth|ingest sglang``."""
 
 from __future__ import annotations
 
@@ -23,3 +23,119 @@ def info(
     from planner.trace.info import render_summary
 
     console.print(render_summary(summary))
+
+
+@trace_app.command("synth")
+def synth(
+    out: str = typer.Option(
+        ...,
+        "--out",
+        help="Trace to write: a directory of parts, or one file if it ends in .parquet.",
+    ),
+    preset: str = typer.Option("default", "--preset", help="Start from: default or deepseek-v3."),
+    layers: int | None = typer.Option(None, "--layers", help="MoE layers L."),
+    experts: int | None = typer.Option(None, "--experts", help="Routed experts per layer N."),
+    top_k: int | None = typer.Option(None, "--top-k", help="Experts per token and layer k."),
+    vocab: int | None = typer.Option(None, "--vocab", help="Vocabulary size V."),
+    tokens: int | None = typer.Option(None, "--tokens", help="Token occurrences T."),
+    requests: int | None = typer.Option(
+        None, "--requests", help="Requests the tokens are split over."
+    ),
+    token_zipf: float | None = typer.Option(None, "--token-zipf", help="Zipf exponent of tokens."),
+    expert_zipf: float | None = typer.Option(
+        None, "--expert-zipf", help="Zipf exponent of expert popularity (0 = even load)."
+    ),
+    affinity: float | None = typer.Option(
+        None, "--affinity", help="Probability in [0, 1] a slot is the token's preferred expert."
+    ),
+    layer_correlation: float | None = typer.Option(
+        None, "--layer-correlation", help="Probability in [0, 1] routing follows layer l-1's top-1."
+    ),
+    domains: int | None = typer.Option(None, "--domains", help="Request domains D."),
+    seed: int | None = typer.Option(None, "--seed", help="Seed of every random choice."),
+    model: str | None = typer.Option(None, "--model", help="Model name in the trace metadata."),
+    rows_per_part: int = typer.Option(1_000_000, "--rows-per-part", help="Rows per part file."),
+    force: bool = typer.Option(False, "--force", help="Replace --out if it exists."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    """Write a synthetic trace with known token->expert and layer->layer affinity."""
+    from planner.trace.synth import preset_config, timed_synthesize
+
+    config = preset_config(
+        preset,
+        num_layers=layers,
+        num_experts=experts,
+        top_k=top_k,
+        vocab_size=vocab,
+        num_tokens=tokens,
+        num_requests=requests,
+        token_zipf=token_zipf,
+        expert_zipf=expert_zipf,
+        affinity=affinity,
+        layer_correlation=layer_correlation,
+        num_domains=domains,
+        seed=seed,
+        model=model,
+    )
+    summary = timed_synthesize(
+        config, out, rows_per_part=rows_per_part, progress=True, overwrite=force
+    )
+    if as_json:
+        console.print_json(json.dumps(summary))
+        return
+    console.print(
+        f"wrote {summary['path']}: {summary['tokens']} tokens, L={summary['num_layers']} "
+        f"N={summary['num_experts']} k={summary['top_k']} V={summary['vocab_size']}, "
+        f"{summary['parts']} part(s), {summary['bytes'] / 1e6:.1f} MB in {summary['seconds']:.1f} s"
+    )
+
+
+ingest_app = typer.Typer(
+    help="Convert routing dumps of serving engines into v1 traces.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+trace_app.add_typer(ingest_app, name="ingest")
+
+
+@ingest_app.command("sglang")
+def ingest_sglang(
+    dumps: list[str] = typer.Argument(
+        ..., help="expert_distribution_recorder_*.pt files (per_token mode) or directories of them."
+    ),
+    out: str = typer.Option(
+        ...,
+        "--out",
+        help="Trace to write: a directory of parts, or one file if it ends in .parquet.",
+    ),
+    vocab_size: int | None = typer.Option(
+        None, "--vocab-size", help="The model's vocabulary size (default: largest token id + 1)."
+    ),
+    model: str = typer.Option(
+        "sglang", "--model", help="Model name for the trace (use the same name as other traces)."
+    ),
+    skip_decode: bool = typer.Option(False, "--skip-decode", help="Leave out decode passes."),
+    force: bool = typer.Option(False, "--force", help="Replace --out if it exists."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    """Convert SGLang expert-distribution per_token dumps (physical ids -> logical experts)."""
+    from planner.trace.ingest_sglang import ingest_sglang as run_ingest
+
+    stats = run_ingest(
+        dumps, out, model=model, vocab_size=vocab_size, skip_decode=skip_decode, overwrite=force
+    )
+    s = stats.summary()
+    if as_json:
+        console.print_json(json.dumps(s))
+        return
+    console.print(
+        f"wrote {s['path']}: {s['tokens']} tokens in {s['requests']} requests from {s['records']} "
+        f"records in {s['files']} file(s); L={s['num_layers']} (model layers "
+        f"{s['moe_layer_indices'][0]}..{s['moe_layer_indices'][-1]}) N={s['num_experts']} "
+        f"({s['num_physical_experts']} physical slots) k={s['top_k']} V={s['vocab_size']}"
+        + (" (inferred)" if s["vocab_inferred"] else "")
+    )
+    console.print(
+        f"dropped {s['dropped_tokens']} padded tokens and {s['duplicate_records']} replica records; "
+        "weights are uniform 1/k (SGLang records ids only)"
+    )

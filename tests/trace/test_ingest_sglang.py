@@ -1,0 +1,176 @@
+"""SGLang per_token dumps -> v1 traces: logical ids, request segmentation, and clear refusals."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from planner.cli.main import main
+from planner.errors import InputError, MismatchError, SchemaError
+from planner.trace import open_trace
+from planner.trace.ingest_sglang import convert_sglang, ingest_sglang, segment_starts
+from tests.trace.fixtures import make_sglang_dump as fixture
+
+
+@pytest.fixture
+def dump_dir(tmp_path):
+    directory = tmp_path / "dumps"
+    fixture.write(directory)
+    return directory
+
+
+def _check_against_expected(batch, expected):
+    np.testing.assert_array_equal(batch.request_id, expected["request_id"])
+    np.testing.assert_array_equal(batch.position, expected["position"])
+    np.testing.assert_array_equal(batch.token_id, expected["token_id"])
+    np.testing.assert_array_equal(batch.experts, expected["experts"])
+
+
+def test_ingest_recovers_logical_experts_and_requests(dump_dir, tmp_path):
+    _, expected = fixture.build()
+    stats = ingest_sglang([dump_dir], tmp_path / "t.parquet", model="tiny", vocab_size=100)
+    trace = open_trace(tmp_path / "t.parquet")
+    m = trace.meta
+    assert (m.model, m.num_layers, m.num_experts, m.top_k, m.vocab_size) == ("tiny", 3, 6, 2, 100)
+    assert m.moe_layer_indices == fixture.MOE_LAYERS
+    assert "uniform 1/k" in m.source
+    batch = trace.read_all()
+    _check_against_expected(batch, expected)
+    # Physical ids really differ from logical ones: the map was needed.
+    assert (expected["physical_to_logical"] != np.arange(fixture.NUM_PHYSICAL) % 6).any()
+    np.testing.assert_array_equal(batch.weights, np.full((18, 3, 2), 0.5, np.float16))
+    assert stats.records == 6 and stats.duplicate_records == 1
+    assert stats.dropped_tokens == 1 and stats.tokens == 18 and stats.requests == 8
+    assert stats.num_physical_experts == 8 and not stats.vocab_inferred
+
+
+def test_committed_dump_files_load_with_weights_only():
+    """The binary fixture in tests/trace/fixtures/ was written by make_sglang_dump.py."""
+    _, expected = fixture.build()
+    meta, batch, _ = convert_sglang([fixture.COMMITTED], vocab_size=100)
+    _check_against_expected(batch, expected)
+    assert meta.num_experts == 6
+
+
+def test_files_given_one_by_one_equal_the_directory(dump_dir):
+    files = sorted(dump_dir.iterdir())
+    _, by_dir, _ = convert_sglang([dump_dir])
+    _, by_file, _ = convert_sglang(files[::-1])  # order of arguments does not matter
+    np.testing.assert_array_equal(by_dir.experts, by_file.experts)
+    np.testing.assert_array_equal(by_dir.request_id, by_file.request_id)
+
+
+def test_vocab_inferred_and_unknown_tokens(dump_dir):
+    _, expected = fixture.build()
+    meta, _, stats = convert_sglang([dump_dir])
+    assert stats.vocab_inferred and meta.vocab_size == int(expected["token_id"].max()) + 1
+    small = int(np.sort(expected["token_id"])[-3])  # ids >= small become -1
+    _, batch, stats = convert_sglang([dump_dir], vocab_size=small)
+    assert stats.unknown_tokens == int((expected["token_id"] >= small).sum()) > 0
+    assert (batch.token_id == -1).sum() == stats.unknown_tokens
+
+
+def test_skip_decode(dump_dir):
+    _, batch, _ = convert_sglang([dump_dir], skip_decode=True)
+    assert len(batch) == 16 and 7 not in batch.request_id
+
+
+def test_segment_rules():
+    pos = np.array([0, 1, 2, 0, 1, 5, 6])
+    # extend_seq_lens wins when it sums to the token count
+    assert segment_starts(pos, np.array([2, 5]), 1).tolist() == [1, 0, 1, 0, 0, 0, 0]
+    # otherwise positions decide
+    assert segment_starts(pos, None, 1).tolist() == [1, 0, 0, 1, 0, 1, 0]
+    assert segment_starts(pos, np.array([3]), 3).tolist() == [1, 0, 0, 1, 0, 1, 0]
+    # a decode pass is one token per request even where positions look consecutive
+    assert segment_starts(np.array([4, 5, 9]), None, 2).tolist() == [1, 1, 1]
+
+
+def test_directory_output_in_parts(dump_dir, tmp_path):
+    out = tmp_path / "tr"
+    ingest_sglang([dump_dir], out, rows_per_part=5)
+    trace = open_trace(out)
+    assert trace.part_rows == [5, 5, 5, 3]
+    with pytest.raises(InputError, match="already exists"):
+        ingest_sglang([dump_dir], out)
+
+
+def _save(path, obj):
+    torch.save(obj, path)
+    return path
+
+
+def test_refusals_are_one_line_errors(tmp_path, dump_dir):
+    dumps, _ = fixture.build()
+    name, good = next(iter(dumps.items()))  # rank 0's dump
+    text = tmp_path / "notes.pt"
+    text.write_text("hello")
+    with pytest.raises(SchemaError, match="not a torch.save file"):
+        convert_sglang([text])
+    with pytest.raises(SchemaError, match="'stat' mode"):
+        convert_sglang([_save(tmp_path / "s.pt", {"rank": 0, "logical_count": torch.zeros(2, 3)})])
+    with pytest.raises(SchemaError, match="not an SGLang per_token dump"):
+        convert_sglang([_save(tmp_path / "o.pt", {"weights": torch.zeros(2)})])
+    with pytest.raises(InputError, match="no such"):
+        convert_sglang([tmp_path / "missing.pt"])
+    with pytest.raises(InputError, match="holds no"):
+        convert_sglang([_mkdir(tmp_path / "e")])
+    # Inconsistent shapes within a record.
+    bad = dict(good, records=[dict(good["records"][0], positions=[0, 1])])
+    with pytest.raises(SchemaError, match="disagree"):
+        convert_sglang([_save(tmp_path / "b.pt", bad)])
+    # Physical id beyond the map.
+    topk = good["records"][0]["topk_ids_of_layer"].clone()
+    topk[1, 0, 0] = 8
+    bad = dict(good, records=[dict(good["records"][0], topk_ids_of_layer=topk)])
+    with pytest.raises(SchemaError, match="outside the map's 8 slots"):
+        convert_sglang([_save(tmp_path / "p.pt", bad)])
+    # A map that does not match the recording repeats a logical expert (slots 2i, 2i+1 -> i).
+    p2l = torch.arange(8).repeat(4, 1) // 2
+    bad = dict(good, last_physical_to_logical_map=p2l)
+    with pytest.raises(SchemaError, match="twice"):
+        convert_sglang([_save(tmp_path / "m.pt", bad)])
+    # Two files recorded under different placements.
+    rolled = torch.roll(good["last_physical_to_logical_map"], 1, 1)
+    other = dict(good, last_physical_to_logical_map=rolled)
+    with pytest.raises(MismatchError, match="differs"):
+        convert_sglang([dump_dir / name, _save(tmp_path / "r.pt", other)])
+    # Only padding.
+    rec = good["records"][3]  # the IDLE pass has no tokens
+    with pytest.raises(SchemaError, match="no recorded tokens"):
+        convert_sglang([_save(tmp_path / "i.pt", dict(good, records=[rec]))])
+
+
+def _mkdir(path):
+    path.mkdir()
+    return path
+
+
+class _Opaque:
+    pass
+
+
+def test_objects_outside_weights_only_are_refused(tmp_path):
+    path = tmp_path / "x.pt"
+    torch.save({"records": [_Opaque()]}, path)
+    with pytest.raises(SchemaError, match="weights_only=True"):
+        convert_sglang([path])
+
+
+def test_cli_ingest(dump_dir, tmp_path, capsys):
+    out = tmp_path / "t"
+    assert main(["trace", "ingest", "sglang", str(dump_dir), "--out", str(out),
+                 "--vocab-size", "100", "--model", "m", "--json"]) == 0  # fmt: skip
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["tokens"] == 18 and summary["num_physical_experts"] == 8
+    assert open_trace(out).meta.model == "m"
+    text = tmp_path / "notes.pt"
+    text.write_text("hello")
+    assert main(["trace", "ingest", "sglang", str(text), "--out", str(tmp_path / "u")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"moeplan: error: {text}: not a torch.save file (expected an SGLang per_token dump)"
+    ]
