@@ -1,0 +1,158 @@
+"""Open a local Hugging Face checkpoint directory for profiling; never contacts the hub.
+
+:func:`inspect_checkpoint` reads ``config.json`` and checks everything that can be checked
+without loading weights (an MoE model, a supported architecture, a tokenizer present), so a
+wrong directory fails in a second with one line. :func:`load_tokenizer` and
+:func:`load_model` then load from that directory only (``local_files_only=True`` and
+``HF_HUB_OFFLINE=1``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from planner.errors import InputError, ModelError
+from planner.profile.routers import RouterAdapter, adapter_for, check_moe_config
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+DTYPES = ("float32", "bfloat16", "float16")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _offline() -> None:
+    # Read by huggingface_hub when transformers is first imported; local_files_only covers
+    # the case where it was imported already.
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What profiling needs to know about a checkpoint before loading its weights.
+
+    Attributes:
+        path: the checkpoint directory.
+        name: model name recorded in the trace (see :func:`checkpoint_name`).
+        model_type: the config's ``model_type``.
+        adapter: how to find and read its routers.
+        config: the transformers config object.
+        moe_layer_indices: model layer index of each MoE layer, length L.
+        num_experts: N routed experts per MoE layer.
+        top_k: k experts per token.
+        vocab_size: V, from the config.
+    """
+
+    path: Path
+    name: str
+    model_type: str
+    adapter: RouterAdapter
+    config: Any
+    moe_layer_indices: tuple[int, ...]
+    num_experts: int
+    top_k: int
+    vocab_size: int
+
+
+def checkpoint_name(path: Path, raw_config: dict[str, Any]) -> str:
+    """A stable name for the model: a hub-style ``_name_or_path`` from the config, else the
+    ``org/name`` of a Hugging Face cache snapshot path, else the directory's name."""
+    name = raw_config.get("_name_or_path")
+    if isinstance(name, str) and _HUB_ID.match(name):
+        return name
+    resolved = path.resolve()
+    for part in resolved.parts:
+        if part.startswith("models--"):
+            return part.removeprefix("models--").replace("--", "/")
+    return resolved.name
+
+
+def inspect_checkpoint(model_dir: str | Path) -> CheckpointInfo:
+    """Read and check a checkpoint directory's config and tokenizer files (no weights).
+
+    Raises:
+        InputError: the directory or its ``config.json`` is missing or unreadable.
+        ModelError: not an MoE model, an unsupported architecture, or no tokenizer.
+    """
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise InputError(
+            f"model directory {str(path)!r} does not exist (pass a local Hugging Face "
+            f"checkpoint directory to --model)"
+        )
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise InputError(f"{path}: no config.json; not a Hugging Face checkpoint directory")
+    try:
+        raw = json.loads(config_file.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InputError(f"{config_file}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise InputError(f"{config_file}: expected a JSON object")
+    adapter = adapter_for(raw, str(path))
+    _offline()
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelError(f"{path}: cannot read config ({_first_line(e)})") from None
+    layers = check_moe_config(adapter, config, str(path))
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise ModelError(
+            f"{path}: no tokenizer in the directory (expected one of "
+            f"{', '.join(TOKENIZER_FILES)}); save the tokenizer next to the model"
+        )
+    return CheckpointInfo(
+        path=path,
+        name=checkpoint_name(path, raw),
+        model_type=adapter.model_type,
+        adapter=adapter,
+        config=config,
+        moe_layer_indices=tuple(layers),
+        num_experts=adapter.num_experts(config),
+        top_k=adapter.top_k(config),
+        vocab_size=int(config.vocab_size),
+    )
+
+
+def load_tokenizer(info: CheckpointInfo) -> Any:
+    """The checkpoint's tokenizer, from its directory only."""
+    _offline()
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(info.path, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelError(f"{info.path}: cannot load tokenizer ({_first_line(e)})") from None
+
+
+def load_model(info: CheckpointInfo, device: str, dtype: str, progress: bool = True) -> Any:
+    """The checkpoint's causal LM in eval mode on ``device``, weights in ``dtype``."""
+    _offline()
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    if not progress:
+        hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            info.path, local_files_only=True, dtype=getattr(torch, dtype)
+        )
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelError(f"{info.path}: cannot load model weights ({_first_line(e)})") from None
+    finally:
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
+    return model.to(device).eval()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

@@ -1,0 +1,493 @@
+"""``moeplan profile``: run a local MoE checkpoint over prompts and record its routing.
+
+This is the offline profiling step both planners start from: Speculative MoE §3.1 (step 1 of
+its Fig. 3: token ids and token-expert activations) and Sem-MoE's workflow step 1. The
+optional embedding matrix serves the nearest-token fallback for tokens the profile never saw
+(Speculative MoE §3.3).
+
+For every prompt token and every MoE layer the trace holds the top-k expert ids and the gate
+weights the model applied (see :mod:`planner.profile.routers` for what "applied" means per
+architecture), written as a v1 trace directory of ``part-*.parquet`` files.
+
+How a run proceeds: the prompts (after ``max_prompts``) are cut into chunks of
+``prompts_per_part`` in file order; each chunk is tokenised (truncated to ``max_length``),
+sorted by length into batches of ``batch_size`` (right padding + attention mask, so padding
+never changes a real token's routing under causal attention), run through the decoder with
+forward hooks on the routers, and written as one part with rows ordered by (request_id,
+position). ``request_id`` is the prompt's index in the file, so ``resume`` can skip the
+prompts whose part was finished (parts are written atomically) and a resumed trace equals
+a clean one. ``profile.json`` next to the parts records the settings a resume must match.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+from planner._io import atomic_path, write_json_atomic
+from planner.errors import InputError, ModelError
+from planner.profile.checkpoint import (
+    DTYPES,
+    CheckpointInfo,
+    inspect_checkpoint,
+    load_model,
+    load_tokenizer,
+)
+from planner.profile.prompts import Prompt, read_prompts
+from planner.profile.routers import RoutingRecorder, find_routers
+from planner.trace.info import LoadAccumulator
+from planner.trace.io import PART_GLOB, TraceBatch, TraceWriter, open_trace
+from planner.trace.schema import TraceMeta
+
+EMBEDDINGS_FILE = "embeddings.safetensors"
+EMBEDDINGS_TENSOR = "embeddings"
+SETTINGS_FILE = "profile.json"
+DEVICES = ("cpu", "cuda")
+# Settings that change the recorded routing: a resumed run must use the same.
+_RESUME_KEYS = ("model", "model_type", "max_length", "dtype", "add_special_tokens")
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """Settings of one profiling run.
+
+    Attributes:
+        max_prompts: profile only the first N prompts of the file (None: all).
+        max_length: tokens kept per prompt (longer prompts are truncated).
+        batch_size: prompts per forward pass.
+        device: "cpu" or "cuda"; None picks cuda when available.
+        dtype: weights dtype, "float32" | "bfloat16" | "float16"; None picks bfloat16 on
+            cuda and float32 on cpu.
+        resume: continue an interrupted run in a non-empty output directory.
+        save_embeddings: also write the input-embedding matrix [V, H] as
+            ``embeddings.safetensors`` (tensor ``embeddings``).
+        prompts_per_part: prompts per trace part (the unit of resume).
+        add_special_tokens: let the tokenizer add BOS/EOS as it does when serving.
+    """
+
+    max_prompts: int | None = None
+    max_length: int = 512
+    batch_size: int = 8
+    device: str | None = None
+    dtype: str | None = None
+    resume: bool = False
+    save_embeddings: bool = False
+    prompts_per_part: int = 64
+    add_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_length", "batch_size", "prompts_per_part"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InputError(f"{name.replace('_', '-')}={value!r} must be a positive integer")
+        if self.max_prompts is not None and (
+            not isinstance(self.max_prompts, int) or self.max_prompts < 1
+        ):
+            raise InputError(f"max-prompts={self.max_prompts!r} must be a positive integer")
+        if self.device is not None and self.device not in DEVICES:
+            raise InputError(f"device {self.device!r} is not one of {', '.join(DEVICES)}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise InputError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+
+    def resolved_device(self) -> str:
+        import torch
+
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise InputError("device 'cuda' requested but CUDA is not available; use --device cpu")
+        if self.device is None:
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    def resolved_dtype(self, device: str) -> str:
+        if self.dtype is not None:
+            return self.dtype
+        return "bfloat16" if device == "cuda" else "float32"
+
+
+@dataclass(frozen=True)
+class ProfileResult:
+    """What a run did, for the summary.
+
+    Attributes:
+        out_dir: the trace directory.
+        meta: the trace's metadata.
+        prompts_selected: prompts in the file after ``max_prompts``.
+        prompts_resumed: of those, already in the trace before this run (skipped).
+        prompts_profiled: profiled by this run.
+        tokens: token rows written by this run.
+        trace_tokens: token rows in the whole trace now.
+        parts_written: parts written by this run.
+        seconds: wall time of the forward passes and writes (model loading excluded).
+        load_seconds: wall time spent loading the tokenizer and model.
+        skewness: [L] per-layer expert load max/mean over the whole trace.
+        embeddings_path: the saved embedding matrix, or None.
+    """
+
+    out_dir: Path
+    meta: TraceMeta
+    prompts_selected: int
+    prompts_resumed: int
+    prompts_profiled: int
+    tokens: int
+    trace_tokens: int
+    parts_written: int
+    seconds: float
+    load_seconds: float
+    skewness: tuple[float, ...]
+    embeddings_path: Path | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        skew = [round(s, 4) for s in self.skewness]
+        finite = [s for s in skew if np.isfinite(s)]
+        return {
+            "out": str(self.out_dir),
+            "model": self.meta.model,
+            "num_layers": self.meta.num_layers,
+            "moe_layer_indices": list(self.meta.moe_layer_indices),
+            "num_experts": self.meta.num_experts,
+            "top_k": self.meta.top_k,
+            "prompts_selected": self.prompts_selected,
+            "prompts_resumed": self.prompts_resumed,
+            "prompts_profiled": self.prompts_profiled,
+            "tokens": self.tokens,
+            "trace_tokens": self.trace_tokens,
+            "parts_written": self.parts_written,
+            "seconds": round(self.seconds, 3),
+            "load_seconds": round(self.load_seconds, 3),
+            "tokens_per_s": round(self.tokens_per_s, 1),
+            "skewness_per_layer": skew,
+            "skewness_mean": round(float(np.mean(finite)), 4) if finite else None,
+            "embeddings": str(self.embeddings_path) if self.embeddings_path else None,
+        }
+
+
+def render_profile_summary(result: ProfileResult) -> Table:
+    """A rich table of a run's summary, for a person to read."""
+    d = result.to_dict()
+    table = Table(title=f"profile -> {d['out']}", show_header=False, title_justify="left")
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    for key in ("model", "num_layers", "num_experts", "top_k", "prompts_selected",
+                "prompts_resumed", "prompts_profiled", "tokens", "trace_tokens",
+                "parts_written", "seconds", "load_seconds", "tokens_per_s", "skewness_mean",
+                "embeddings"):  # fmt: skip
+        if key != "embeddings" or d[key]:
+            table.add_row(key, str(d[key]))
+    skew = ", ".join(
+        f"L{i}:{v:.2f}"
+        for i, v in zip(d["moe_layer_indices"], d["skewness_per_layer"], strict=True)
+    )
+    table.add_row("skewness (max/mean)", skew)
+    return table
+
+
+def trace_meta(info: CheckpointInfo, dtype: str) -> TraceMeta:
+    """Trace metadata for a checkpoint profiled in ``dtype``."""
+    import transformers
+
+    from planner import __version__
+
+    return TraceMeta(
+        model=info.name,
+        num_layers=len(info.moe_layer_indices),
+        num_experts=info.num_experts,
+        top_k=info.top_k,
+        vocab_size=info.vocab_size,
+        moe_layer_indices=info.moe_layer_indices,
+        source=(
+            f"moeplan profile {__version__} ({info.model_type}, transformers "
+            f"{transformers.__version__}, {dtype}; {info.adapter.weights_note(info.config)})"
+        ),
+    )
+
+
+@dataclass
+class ProfileSession:
+    """A loaded model and tokenizer, ready to run chunks of prompts with or without hooks.
+
+    Attributes:
+        info: the checkpoint.
+        model: the causal LM (eval mode, on ``device``).
+        tokenizer: its tokenizer.
+        config: run settings (batch size, max length).
+        device: torch device string.
+        with_domain: add a ``domain`` column to every batch.
+    """
+
+    info: CheckpointInfo
+    model: Any
+    tokenizer: Any
+    config: ProfileConfig
+    device: str
+    with_domain: bool = False
+    routers: list[Any] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.routers = find_routers(
+            self.model,
+            self.info.adapter,
+            list(self.info.moe_layer_indices),
+            self.info.num_experts,
+            str(self.info.path),
+        )
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        self._pad_id = int(pad) if pad is not None else 0
+        # Never feed more positions than the model was built for.
+        limit = getattr(self.info.config, "max_position_embeddings", None)
+        self._max_length = min(self.config.max_length, limit or self.config.max_length)
+
+    def encode(self, prompts: list[Prompt]) -> list[list[int]]:
+        """Token ids of each prompt, truncated to ``max_length`` (and to the model's
+        ``max_position_embeddings``)."""
+        enc = self.tokenizer(
+            [p.text for p in prompts],
+            truncation=True,
+            max_length=self._max_length,
+            add_special_tokens=self.config.add_special_tokens,
+        )["input_ids"]
+        too_big = max((max(ids) for ids in enc if ids), default=-1)
+        if too_big >= self.info.vocab_size:
+            raise ModelError(
+                f"{self.info.path}: the tokenizer produced token id {too_big} >= vocab_size "
+                f"{self.info.vocab_size}; tokenizer and model do not match"
+            )
+        return [list(ids) for ids in enc]
+
+    def batches(
+        self, prompts: list[Prompt]
+    ) -> Iterator[tuple[list[Prompt], list[list[int]], Any, Any]]:
+        """Length-sorted batches: (prompts, token ids, input_ids [B, S], attention_mask [B, S]).
+
+        Prompts that tokenise to nothing are dropped (they have no token to record).
+        """
+        import torch
+
+        encoded = self.encode(prompts)
+        order = sorted(
+            (i for i in range(len(prompts)) if encoded[i]), key=lambda i: -len(encoded[i])
+        )
+        for start in range(0, len(order), self.config.batch_size):
+            pick = order[start : start + self.config.batch_size]
+            seqs = [encoded[i] for i in pick]
+            width = max(len(s) for s in seqs)
+            input_ids = torch.full((len(seqs), width), self._pad_id, dtype=torch.long)
+            mask = torch.zeros((len(seqs), width), dtype=torch.long)
+            for row, seq in enumerate(seqs):
+                input_ids[row, : len(seq)] = torch.tensor(seq)
+                mask[row, : len(seq)] = 1
+            yield [prompts[i] for i in pick], seqs, input_ids, mask
+
+    def forward(self, input_ids: Any, mask: Any) -> None:
+        """One forward pass of the decoder (no LM head, no KV cache)."""
+        import torch
+
+        with torch.inference_mode():
+            self.model.base_model(
+                input_ids=input_ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                use_cache=False,
+            )
+
+    def run_plain(self, prompts: list[Prompt]) -> int:
+        """Forward passes without hooks (the baseline a benchmark compares to); returns tokens."""
+        tokens = 0
+        for _, seqs, input_ids, mask in self.batches(prompts):
+            self.forward(input_ids, mask)
+            tokens += sum(len(s) for s in seqs)
+        return tokens
+
+    def profile(self, prompts: list[Prompt]) -> TraceBatch | None:
+        """The routing of every token of ``prompts``, rows ordered by (request_id, position)."""
+        info = self.info
+        recorder = RoutingRecorder(self.routers, info.num_experts, info.top_k, str(info.path))
+        pieces: list[TraceBatch] = []
+        with recorder:
+            for batch_prompts, seqs, input_ids, mask in self.batches(prompts):
+                self.forward(input_ids, mask)
+                ids, weights = recorder.take(input_ids.numel())
+                keep = mask.reshape(-1).bool().to(ids.device)
+                lengths = [len(s) for s in seqs]
+                extras = {}
+                if self.with_domain:
+                    extras["domain"] = np.repeat(
+                        np.array([p.domain or "" for p in batch_prompts], dtype=object), lengths
+                    )
+                pieces.append(
+                    TraceBatch.from_arrays(
+                        request_id=np.repeat([p.index for p in batch_prompts], lengths),
+                        position=np.concatenate([np.arange(n) for n in lengths]),
+                        token_id=np.concatenate([np.asarray(s) for s in seqs]),
+                        experts=ids[keep].cpu().numpy(),
+                        weights=weights[keep].cpu().numpy(),
+                        extras=extras,
+                    )
+                )
+        if not pieces:
+            return None
+        batch = TraceBatch.concat(pieces)
+        return batch.select(np.lexsort((batch.position, batch.request_id)))
+
+
+def profile_model(
+    model_dir: str | Path,
+    prompts_path: str | Path,
+    out_dir: str | Path,
+    config: ProfileConfig | None = None,
+    progress: bool = True,
+) -> ProfileResult:
+    """Profile a local Hugging Face MoE checkpoint on a prompts file into a v1 trace directory.
+
+    Raises:
+        InputError: missing model directory or prompts file, no prompts, a bad prompts line,
+            a non-empty ``out_dir`` without ``resume``, a resume with other settings, or cuda
+            requested without CUDA.
+        ModelError: not an MoE model, unsupported architecture, no tokenizer, or a model
+            that does not route as its architecture's adapter expects.
+    """
+    config = config or ProfileConfig()
+    info = inspect_checkpoint(model_dir)
+    prompts = read_prompts(prompts_path)[: config.max_prompts]
+    device = config.resolved_device()
+    dtype = config.resolved_dtype(device)
+    out = Path(out_dir)
+    settings = {
+        "model": info.name,
+        "model_type": info.model_type,
+        "max_length": config.max_length,
+        "dtype": dtype,
+        "add_special_tokens": config.add_special_tokens,
+        "prompts": str(prompts_path),
+    }
+    done = _prepare_out_dir(out, config.resume, settings)
+    todo = [p for p in prompts if p.index not in done]
+
+    t0 = time.perf_counter()
+    tokenizer = load_tokenizer(info)
+    model = load_model(info, device, dtype, progress)
+    meta = trace_meta(info, dtype)
+    writer = TraceWriter(out, meta)
+    write_json_atomic(out / SETTINGS_FILE, settings)
+    embeddings_path = None
+    if config.save_embeddings:
+        embeddings_path = save_embeddings(model, out / EMBEDDINGS_FILE, dtype, meta)
+    session = ProfileSession(
+        info, model, tokenizer, config, device, with_domain=any(p.domain for p in prompts)
+    )
+    load_seconds = time.perf_counter() - t0
+
+    acc = LoadAccumulator(meta)
+    if done:
+        for batch in open_trace(out).iter_batches():
+            acc.add(batch)
+    t0 = time.perf_counter()
+    tokens, parts = 0, 0
+    with _progress_bar(progress, len(todo)) as (bar, task):
+        for start in range(0, len(todo), config.prompts_per_part):
+            chunk = todo[start : start + config.prompts_per_part]
+            batch = session.profile(chunk)
+            if batch is not None:
+                writer.write(batch)
+                acc.add(batch)
+                tokens += len(batch)
+                parts += 1
+            if bar is not None:
+                rate = tokens / max(time.perf_counter() - t0, 1e-9)
+                bar.update(task, advance=len(chunk), tokens=tokens, rate=rate)
+    seconds = time.perf_counter() - t0
+    return ProfileResult(
+        out_dir=out,
+        meta=meta,
+        prompts_selected=len(prompts),
+        prompts_resumed=len(prompts) - len(todo),
+        prompts_profiled=len(todo),
+        tokens=tokens,
+        trace_tokens=acc.tokens,
+        parts_written=parts,
+        seconds=seconds,
+        load_seconds=load_seconds,
+        skewness=tuple(float(s) for s in acc.skewness),
+        embeddings_path=embeddings_path,
+    )
+
+
+def _prepare_out_dir(out: Path, resume: bool, settings: dict[str, Any]) -> set[int]:
+    """Check ``out`` may receive this run; return the request ids its finished parts hold."""
+    if out.exists() and not out.is_dir():
+        raise InputError(f"output {str(out)!r} exists and is not a directory")
+    if not out.exists() or not any(out.iterdir()):
+        return set()
+    if not resume:
+        raise InputError(
+            f"output directory {str(out)!r} is not empty; pass --resume to continue that run "
+            f"or choose another --out directory"
+        )
+    settings_file = out / SETTINGS_FILE
+    if settings_file.is_file():
+        try:
+            before = json.loads(settings_file.read_text())
+        except ValueError:
+            before = {}
+        changed = [k for k in _RESUME_KEYS if k in before and before[k] != settings[k]]
+        if changed:
+            diffs = ", ".join(f"{k}: {before[k]!r} -> {settings[k]!r}" for k in changed)
+            raise InputError(
+                f"{out}: cannot resume with other settings than the run that started it ({diffs})"
+            )
+    if not any(out.glob(PART_GLOB)):
+        return set()
+    return {int(r) for r in open_trace(out).request_ids()}
+
+
+def save_embeddings(model: Any, dest: Path, dtype: str, meta: TraceMeta) -> Path:
+    """Write the input-embedding matrix [V, H] to ``dest`` (float32 when the model runs in
+    float32, else float16), tensor name ``embeddings``."""
+    import torch
+    from safetensors.torch import save_file
+
+    weight = model.get_input_embeddings().weight.detach()
+    out_dtype = torch.float32 if dtype == "float32" else torch.float16
+    tensor = weight.to(device="cpu", dtype=out_dtype).contiguous()
+    metadata = {"model": meta.model, "fingerprint": meta.fingerprint()}
+    with atomic_path(dest) as tmp:
+        save_file({EMBEDDINGS_TENSOR: tensor}, str(tmp), metadata=metadata)
+    return dest
+
+
+@contextlib.contextmanager
+def _progress_bar(enabled: bool, total: int) -> Iterator[tuple[Progress | None, Any]]:
+    """A rich progress bar on stderr over prompts, or (None, None) when disabled."""
+    if not enabled or total == 0:
+        yield None, None
+        return
+    bar = Progress(
+        TextColumn("profiling"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("prompts  {task.fields[tokens]} tokens  {task.fields[rate]:.0f} tok/s"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+    )
+    with bar:
+        yield bar, bar.add_task("profile", total=total, tokens=0, rate=0.0)
