@@ -1,0 +1,278 @@
+"""The metrics of DESIGN.md ("Metrics"), computed by streaming a held-out trace.
+
+Every figure is counted over (token occurrence, MoE layer) pairs and the token's k routed
+experts, exactly as the runtime would see them:
+
+- ``lar_token`` / ``lar_ngram`` / ``lar``: share of routed experts living on the device the
+  token was sent to, with the token table, the n-gram table (layers l >= n only), and the
+  online choice of Algorithm 2 (paper 000) -- computed with the runtime shim's own
+  functions, so the evaluator and the runtime cannot disagree.
+- ``lar_balanced``: the online choice when each batch of B tokens (trace order) may send at
+  most ceil(1.1 B / E) tokens to a device (most confident keep their device).
+- ``lar_vanilla``: contiguous experts, each sequence split into E contiguous chunks.
+- ``oracle_bound``: per (layer, token), the largest share of the token's held-out routed
+  experts that one device holding N/E experts could host; no static token table beats it.
+- imbalances, remote fraction and all-to-all bytes (dispatch + combine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import scipy.sparse as sp
+
+from planner.errors import MismatchError
+from planner.export.bundle import Bundle
+from planner.runtime_shim.tables import (
+    assign_with_capacity,
+    balanced_capacity,
+    ngram_row_index,
+    online_choice,
+)
+from planner.trace.io import Trace, TraceBatch
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Settings of ``moeplan evaluate``.
+
+    Attributes:
+        batch_tokens: B, tokens per runtime batch for the balanced LAR (DESIGN.md: 4096).
+        slack: cap factor, at most ceil(slack * B / E) tokens per device and batch.
+        hidden_size: model hidden size for all-to-all bytes (0 = report activations only).
+        dtype_bytes: bytes per hidden element on the wire (2 for bf16).
+    """
+
+    batch_tokens: int = 4096
+    slack: float = 1.1
+    hidden_size: int = 0
+    dtype_bytes: int = 2
+
+
+class _Acc:
+    """Per-layer running sums over the held-out trace."""
+
+    def __init__(self, num_layers: int, num_experts: int, ep_size: int, vocab: int):
+        z = lambda *s: np.zeros(s, np.float64)  # noqa: E731
+        big_l, e = num_layers, ep_size
+        self.occurrences = z(big_l)
+        self.local = {k: z(big_l) for k in ("token", "ngram", "online", "balanced", "vanilla")}
+        self.ngram_occ = z(big_l)
+        self.remote = {k: z(big_l) for k in ("online", "balanced", "vanilla")}
+        self.touched = {k: z(big_l) for k in ("online", "balanced", "vanilla")}
+        self.tokens_on = {k: z(big_l, e) for k in ("online", "balanced")}
+        self.expert_load = z(big_l, e)
+        self.ngram_used = z(big_l)
+        self.counts = [sp.csr_matrix((vocab, num_experts), dtype=np.float64) for _ in range(big_l)]
+
+
+def _local_and_remote(expert_device: np.ndarray, chosen: np.ndarray, ep_size: int):
+    """Per (token, layer): routed experts on the chosen device, and distinct remote devices.
+
+    Args:
+        expert_device: [T, L, k] device of each routed expert.
+        chosen: [T, L] device each token was sent to.
+
+    Returns:
+        local [L] sums, remote [L] sums (distinct devices other than the chosen one that a
+        token's experts live on -- one dispatch each), touched [L] sums (distinct devices).
+    """
+    local = (expert_device == chosen[..., None]).sum(axis=(0, 2))
+    onehot = np.zeros(expert_device.shape[:2] + (ep_size,), bool)
+    t_idx, l_idx, _ = np.indices(expert_device.shape, sparse=True)
+    onehot[t_idx, l_idx, expert_device] = True
+    touched = onehot.sum(-1)
+    here = np.take_along_axis(onehot, chosen[..., None], -1)[..., 0]
+    return local, (touched - here).sum(0), touched.sum(0)
+
+
+def _vanilla_device(batch: TraceBatch, lengths: dict[int, int], ep_size: int) -> np.ndarray:
+    """[T] device of each token when each sequence is split into E contiguous chunks."""
+    seq_len = np.fromiter((lengths[int(r)] for r in batch.request_id), np.int64, len(batch))
+    return np.minimum(
+        batch.position.astype(np.int64) * ep_size // np.maximum(seq_len, 1), ep_size - 1
+    )
+
+
+def _request_lengths(trace: Trace) -> dict[int, int]:
+    """Tokens of each request in the trace (positions may not start at 0 in a sample)."""
+    import pyarrow.parquet as pq
+
+    ids = np.concatenate(
+        [pq.read_table(p, columns=["request_id"]).column(0).to_numpy() for p in trace.parts]
+    )
+    uniq, cnt = np.unique(ids, return_counts=True)
+    return dict(zip(uniq.tolist(), cnt.tolist(), strict=True))
+
+
+def _chunks(trace: Trace, size: int):
+    """Consecutive trace-order blocks of exactly ``size`` rows (the last may be shorter)."""
+    pending: list[TraceBatch] = []
+    have = 0
+    for batch in trace.iter_batches(batch_rows=max(size, 65536 // size * size)):
+        pending.append(batch)
+        have += len(batch)
+        if have < size:
+            continue
+        whole = TraceBatch.concat(pending)
+        cut = len(whole) // size * size
+        for start in range(0, cut, size):
+            yield whole.select(slice(start, start + size))
+        pending = [whole.select(slice(cut, None))] if cut < len(whole) else []
+        have = len(whole) - cut
+    if have:
+        yield TraceBatch.concat(pending)
+
+
+def evaluate_bundle(bundle: Bundle, trace: Trace, config: EvalConfig | None = None) -> dict:
+    """All DESIGN.md metrics of ``bundle`` on the held-out ``trace``.
+
+    Returns:
+        ``{"overall": {...}, "per_layer": [{...} for each MoE layer], "config": {...}}``;
+        rates are in [0, 1], imbalances are max/mean (1.0 = even).
+    """
+    cfg = config or EvalConfig()
+    meta = trace.meta
+    if meta.fingerprint() != bundle.meta.fingerprint():
+        raise MismatchError(
+            f"plan is for {bundle.meta.model!r} (fingerprint {bundle.meta.fingerprint()}), the "
+            f"trace is of {meta.model!r} (fingerprint {meta.fingerprint()})"
+        )
+    big_l, n, k, e = meta.num_layers, meta.num_experts, meta.top_k, bundle.ep_size
+    order = bundle.ngram_order
+    lengths = _request_lengths(trace)
+    acc = _Acc(big_l, n, e, meta.vocab_size)
+    layers = np.arange(big_l)
+    vanilla_expert_device = np.arange(n) // (n // e)
+
+    for chunk in _chunks(trace, cfg.batch_tokens):
+        t = len(chunk)
+        experts = chunk.experts.astype(np.int64)  # [T, L, k]
+        expert_device = bundle.expert_to_device[layers[None, :, None], experts].astype(np.int64)
+        known = chunk.token_id >= 0
+        tok = np.where(known, chunk.token_id, 0)
+        van = _vanilla_device(chunk, lengths, e)  # [T]
+
+        token_dev = np.where(known[:, None], bundle.token_to_device[:, tok].T, van[:, None])
+        token_conf = np.where(known[:, None], bundle.token_confidence[:, tok].T, 0).astype(
+            np.float32
+        )
+        ngram_dev = np.zeros((t, big_l), np.int64)
+        ngram_conf = np.zeros((t, big_l), np.float32)
+        if order > 0 and big_l > order:
+            top1_dev = expert_device[:, :, 0]  # [T, L]
+            for layer in range(order, big_l):
+                row = ngram_row_index(top1_dev[:, layer - order : layer], e)
+                ngram_dev[:, layer] = bundle.ngram_to_device[layer, row]
+                ngram_conf[:, layer] = bundle.ngram_confidence[layer, row]
+        chosen, conf = online_choice(token_dev, token_conf, ngram_dev, ngram_conf)
+        cap = balanced_capacity(t, e, cfg.slack)
+        balanced = assign_with_capacity(chosen.T, conf.T, cap, e).T  # rows = layers
+
+        acc.occurrences += t
+        acc.local["token"] += (expert_device == token_dev[..., None]).sum(axis=(0, 2))
+        ng = (expert_device == ngram_dev[..., None]).sum(axis=(0, 2))
+        acc.local["ngram"][order:] += ng[order:]
+        acc.ngram_occ[order:] += t
+        acc.ngram_used += (ngram_conf > token_conf).sum(0)
+        for name, dev, edev in (
+            ("online", chosen, expert_device),
+            ("balanced", balanced, expert_device),
+            ("vanilla", np.broadcast_to(van[:, None], (t, big_l)), vanilla_expert_device[experts]),
+        ):
+            local, remote, touched = _local_and_remote(edev, np.ascontiguousarray(dev), e)
+            acc.local[name] += local
+            acc.remote[name] += remote
+            acc.touched[name] += touched
+            if name in acc.tokens_on:
+                acc.tokens_on[name] += np.stack(
+                    [np.bincount(dev[:, i], minlength=e) for i in range(big_l)]
+                )
+        acc.expert_load += np.stack(
+            [np.bincount(expert_device[:, i].ravel(), minlength=e) for i in range(big_l)]
+        )
+        for layer in range(big_l):
+            rows = np.repeat(tok[known], k)
+            cols = experts[known, layer].ravel()
+            acc.counts[layer] = acc.counts[layer] + sp.csr_matrix(
+                (np.ones(rows.size), (rows, cols)), shape=(meta.vocab_size, n)
+            )
+    return _report(acc, bundle, cfg, k, n // e)
+
+
+def _oracle(counts: sp.csr_matrix, per_device: int) -> tuple[float, float]:
+    """(hosted, total): sum over tokens of their top-(N/E) expert counts, and all counts."""
+    rows = np.flatnonzero(np.diff(counts.indptr))
+    if rows.size == 0:
+        return 0.0, 0.0
+    dense = counts[rows].toarray()
+    take = min(per_device, dense.shape[1])
+    top = -np.partition(-dense, take - 1, axis=1)[:, :take]
+    return float(top.sum()), float(dense.sum())
+
+
+def _imbalance(load: np.ndarray) -> np.ndarray:
+    mean = load.mean(axis=-1)
+    return np.where(mean > 0, load.max(axis=-1) / np.maximum(mean, 1e-12), np.nan)
+
+
+def _report(acc: _Acc, bundle: Bundle, cfg: EvalConfig, k: int, per_device: int) -> dict:
+    occ = acc.occurrences * k
+    oracle = np.array([_oracle(c, per_device) for c in acc.counts])  # [L, 2]
+    per_layer = []
+    safe = lambda a, b: np.where(b > 0, a / np.maximum(b, 1e-12), np.nan)  # noqa: E731
+    cols = {
+        "lar_token": safe(acc.local["token"], occ),
+        "lar_ngram": safe(acc.local["ngram"], acc.ngram_occ * k),
+        "lar": safe(acc.local["online"], occ),
+        "lar_balanced": safe(acc.local["balanced"], occ),
+        "lar_vanilla": safe(acc.local["vanilla"], occ),
+        "oracle_bound": safe(oracle[:, 0], oracle[:, 1]),
+        "ngram_share": safe(acc.ngram_used, acc.occurrences),
+        "token_imbalance": _imbalance(acc.tokens_on["online"]),
+        "token_imbalance_balanced": _imbalance(acc.tokens_on["balanced"]),
+        "expert_load_imbalance": _imbalance(acc.expert_load),
+        "remote_fraction": safe(acc.remote["balanced"], acc.touched["balanced"]),
+        "remote_fraction_vanilla": safe(acc.remote["vanilla"], acc.touched["vanilla"]),
+    }
+    for layer in range(len(acc.occurrences)):
+        row = {"layer": layer, "model_layer": int(bundle.meta.moe_layer_indices[layer])}
+        row |= {name: _num(v[layer]) for name, v in cols.items()}
+        per_layer.append(row)
+
+    def pooled(num, den):
+        d = float(np.sum(den))
+        return _num(float(np.sum(num)) / d) if d > 0 else None
+
+    bytes_per = cfg.hidden_size * cfg.dtype_bytes * 2  # dispatch + combine
+    remote_b, remote_v = float(acc.remote["balanced"].sum()), float(acc.remote["vanilla"].sum())
+    overall = {
+        "tokens": int(acc.occurrences[0]) if len(acc.occurrences) else 0,
+        "lar_token": pooled(acc.local["token"], occ),
+        "lar_ngram": pooled(acc.local["ngram"], acc.ngram_occ * k),
+        "lar": pooled(acc.local["online"], occ),
+        "lar_balanced": pooled(acc.local["balanced"], occ),
+        "lar_vanilla": pooled(acc.local["vanilla"], occ),
+        "oracle_bound": pooled(oracle[:, 0], oracle[:, 1]),
+        "ngram_share": pooled(acc.ngram_used, acc.occurrences),
+        "token_imbalance": _num(np.nanmean(cols["token_imbalance"])),
+        "token_imbalance_balanced": _num(np.nanmean(cols["token_imbalance_balanced"])),
+        "expert_load_imbalance": _num(np.nanmean(cols["expert_load_imbalance"])),
+        "remote_fraction": pooled(acc.remote["balanced"], acc.touched["balanced"]),
+        "remote_fraction_vanilla": pooled(acc.remote["vanilla"], acc.touched["vanilla"]),
+        "remote_activations": int(remote_b),
+        "remote_activations_vanilla": int(remote_v),
+        "all_to_all_bytes": int(remote_b * bytes_per) if bytes_per else None,
+        "all_to_all_bytes_vanilla": int(remote_v * bytes_per) if bytes_per else None,
+    }
+    return {
+        "overall": overall,
+        "per_layer": per_layer,
+        "config": asdict(cfg) | {"ep_size": bundle.ep_size},
+    }
+
+
+def _num(x) -> float | None:
+    x = float(x)
+    return None if np.isnan(x) else round(x, 6)

@@ -1,0 +1,263 @@
+"""Rebatch tokens by destination device and resume them to their original order.
+
+Speculative MoE App. B.2 Algorithm 2 (and Sem-MoE App. B, Attention-TP): before an MoE
+layer each token is sent to the device predicted to host its experts. ``rebatch`` groups
+the rows of a ``[T, H]`` hidden-state matrix by destination device and pads every group to
+the same number of rows, so that the result splits into ``E`` equal chunks, chunk ``d``
+holding device ``d``'s tokens -- the layout a reduce-scatter or all-gather moves. ``resume``
+inverts it exactly.
+
+Layout of the shuffled matrix (``E`` devices, chunk size ``C``)::
+
+    rows [d*C, d*C + counts[d])      device d's tokens, in their original (stable) order
+    rows [d*C + counts[d], (d+1)*C)  zero padding
+
+``C`` is the largest group (``max(counts)``) unless the caller fixes ``chunk_rows``, e.g.
+to keep shapes static across steps (CUDA graphs) at the cost of more padding; a fixed
+``chunk_rows`` smaller than the largest group is an error (the runtime must cap per-device
+load before rebatching, see ``PlanTables.route(max_tokens_per_device=...)``).
+
+Both directions are one row gather: ``shuffled = hidden[slot_to_token]`` (padding slots
+write zeros) and ``hidden = shuffled[token_to_slot]``. On CUDA tensors with triton
+importable the gather runs on the Triton kernel in :mod:`planner.runtime_shim.kernels`;
+elsewhere on ``torch.index_select``.
+
+Glossary: *slot* -- a row of the shuffled matrix; ``slot_to_token`` / ``token_to_slot`` --
+the two index maps between slots and original rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from planner.errors import InputError
+from planner.runtime_shim import kernels
+
+Backend = Literal["auto", "triton", "torch"]
+BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
+
+
+@dataclass(frozen=True, eq=False)
+class RebatchInfo:
+    """Where every token went: the inverse of a rebatch, usable by the collectives.
+
+    Attributes:
+        slot_to_token: [E * C] int64, original row held by each shuffled row, -1 for padding.
+            Example (E=2, C=2, devices=[1, 0, 1]): ``[1, -1, 0, 2]``.
+        token_to_slot: [T] int64, shuffled row of each original row. Example: ``[2, 0, 3]``.
+        counts: [E] int64, tokens sent to each device. Example: ``[1, 2]``.
+        chunk_rows: C, rows per device chunk (padding included).
+    """
+
+    slot_to_token: torch.Tensor
+    token_to_slot: torch.Tensor
+    counts: torch.Tensor
+    chunk_rows: int
+
+    @property
+    def ep_size(self) -> int:
+        return int(self.counts.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_to_slot.shape[0])
+
+    @property
+    def padded_rows(self) -> int:
+        """E * C, rows of the shuffled matrix."""
+        return self.ep_size * self.chunk_rows
+
+    def chunk_tokens(self, device: int) -> torch.Tensor:
+        """[C] int64: original rows in device ``device``'s chunk, -1 for padding."""
+        if not 0 <= device < self.ep_size:
+            raise InputError(f"device {device} outside [0, {self.ep_size})")
+        c = self.chunk_rows
+        return self.slot_to_token[device * c : (device + 1) * c]
+
+    def to(self, device: torch.device | str) -> RebatchInfo:
+        """The same plan with its index tensors on ``device``."""
+        return RebatchInfo(
+            self.slot_to_token.to(device),
+            self.token_to_slot.to(device),
+            self.counts.to(device),
+            self.chunk_rows,
+        )
+
+
+def plan_rebatch(devices: torch.Tensor, ep_size: int, chunk_rows: int | None = None) -> RebatchInfo:
+    """Compute the shuffle of Algorithm 2 (argsort, group, align, concat) without moving rows.
+
+    Args:
+        devices: [T] integer tensor, destination device of each token, in [0, ep_size).
+        ep_size: E, number of devices.
+        chunk_rows: rows per device chunk; default: the largest group. Must be at least
+            the largest group.
+
+    Returns:
+        RebatchInfo with tensors on ``devices``' device.
+    """
+    if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1:
+        raise InputError(f"ep_size must be a positive integer, got {ep_size!r}")
+    devices = torch.as_tensor(devices)
+    if devices.ndim != 1:
+        raise InputError(f"devices must be a 1-D tensor [T], got shape {tuple(devices.shape)}")
+    if devices.is_floating_point() or devices.is_complex() or devices.dtype == torch.bool:
+        raise InputError(f"devices must hold integers, got dtype {devices.dtype}")
+    devices = devices.to(torch.int64)
+    num_tokens = devices.shape[0]
+    counts = torch.zeros(ep_size, dtype=torch.int64, device=devices.device)
+    largest = 0
+    if num_tokens:
+        # Range check and the largest group in one host sync (this is the GPU hot path);
+        # clamping first keeps an out-of-range id from indexing out of bounds.
+        lo, hi = devices.aminmax()
+        counts.scatter_add_(0, devices.clamp(0, ep_size - 1), torch.ones_like(devices))
+        lo, hi, largest = torch.stack([lo, hi, counts.max()]).tolist()
+        if lo < 0 or hi >= ep_size:
+            bad = lo if lo < 0 else hi
+            raise InputError(f"device id {bad} outside [0, {ep_size}) (ep_size={ep_size})")
+    if chunk_rows is None:
+        chunk_rows = largest
+    elif not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < largest:
+        raise InputError(
+            f"chunk_rows={chunk_rows!r} is smaller than the largest device group ({largest} "
+            "tokens); pass chunk_rows >= that, or None to use it"
+        )
+
+    # Stable sort keeps each device's tokens in their original order. index_select and
+    # scatter_ rather than t[idx] indexing: on CPU the latter starts a parallel region even
+    # for a few thousand elements, which costs milliseconds on a busy machine.
+    order = torch.sort(devices, stable=True).indices
+    sorted_devices = devices.index_select(0, order)
+    group_start = torch.cumsum(counts, 0) - counts
+    rank_in_group = torch.arange(num_tokens, device=devices.device) - group_start.index_select(
+        0, sorted_devices
+    )
+    slot_of_sorted = sorted_devices * chunk_rows + rank_in_group
+
+    token_to_slot = torch.empty_like(devices).scatter_(0, order, slot_of_sorted)
+    slot_to_token = torch.full(
+        (ep_size * chunk_rows,), -1, dtype=torch.int64, device=devices.device
+    ).scatter_(0, slot_of_sorted, order)
+    return RebatchInfo(slot_to_token, token_to_slot, counts, chunk_rows)
+
+
+def _use_triton(x: torch.Tensor, backend: str) -> bool:
+    if backend not in BACKENDS:
+        raise InputError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return kernels.HAS_TRITON and x.is_cuda
+    return backend == "triton"
+
+
+def _check_out(out: torch.Tensor | None, shape: tuple[int, int], like: torch.Tensor) -> None:
+    if out is None:
+        return
+    if tuple(out.shape) != shape or out.dtype != like.dtype or out.device != like.device:
+        raise InputError(
+            f"out must be {shape} {like.dtype} on {like.device}, "
+            f"got {tuple(out.shape)} {out.dtype} on {out.device}"
+        )
+
+
+def apply_rebatch(
+    hidden: torch.Tensor,
+    info: RebatchInfo,
+    *,
+    backend: Backend = "auto",
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Move rows as ``info`` says: [T, H] -> [E * C, H], zero rows for padding.
+
+    Use it to rebatch several tensors with one plan (e.g. hidden states and residuals).
+    ``out`` is an optional preallocated [E * C, H] buffer of hidden's dtype and device.
+    """
+    if hidden.ndim != 2 or hidden.shape[0] != info.num_tokens:
+        raise InputError(
+            f"hidden must be [T, H] with T={info.num_tokens} (the plan's tokens), "
+            f"got shape {tuple(hidden.shape)}"
+        )
+    shape = (info.padded_rows, hidden.shape[1])
+    _check_out(out, shape, hidden)
+    index = info.slot_to_token.to(hidden.device)
+    if _use_triton(hidden, backend):
+        return kernels.gather_rows(hidden.contiguous(), index, out, check_index=False)
+
+    if out is None:
+        out = torch.empty(shape, dtype=hidden.dtype, device=hidden.device)
+    if info.num_tokens == 0:
+        return out.zero_()
+    # One gather for every slot (padding slots read row 0), then one fill of the padding
+    # rows: far cheaper than zero-filling all of out first, and a single parallel op
+    # rather than one per device (each costs a thread wake-up on a busy machine).
+    padding = index < 0
+    torch.index_select(hidden, 0, index.masked_fill(padding, 0), out=out)
+    if info.padded_rows > info.num_tokens:
+        out.index_fill_(0, padding.nonzero().squeeze(1), 0)
+    return out
+
+
+def rebatch(
+    hidden: torch.Tensor,
+    devices: torch.Tensor,
+    ep_size: int,
+    *,
+    chunk_rows: int | None = None,
+    backend: Backend = "auto",
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, RebatchInfo]:
+    """Group the rows of ``hidden`` by destination device, padded to equal chunks.
+
+    Args:
+        hidden: [T, H] rows in their original order.
+        devices: [T] integer destination device of each row, in [0, ep_size).
+        ep_size: E.
+        chunk_rows: rows per device chunk, default the largest group (see module docstring).
+        backend: "auto" (Triton kernel on CUDA tensors when triton imports, else torch),
+            "triton" or "torch".
+        out: optional preallocated [E * C, H] output.
+
+    Returns:
+        shuffled: [E * C, H]; chunk d = rows ``[d*C, (d+1)*C)`` holds device d's rows in
+            original order followed by zero padding.
+        info: the :class:`RebatchInfo` that :func:`resume` needs.
+    """
+    if hidden.ndim != 2:
+        raise InputError(f"hidden must be [T, H], got shape {tuple(hidden.shape)}")
+    devices = torch.as_tensor(devices)
+    if devices.ndim != 1 or devices.shape[0] != hidden.shape[0]:
+        raise InputError(
+            f"devices must be [T] with T={hidden.shape[0]} (rows of hidden), "
+            f"got shape {tuple(devices.shape)}"
+        )
+    info = plan_rebatch(devices.to(hidden.device), ep_size, chunk_rows)
+    return apply_rebatch(hidden, info, backend=backend, out=out), info
+
+
+def resume(
+    shuffled: torch.Tensor,
+    info: RebatchInfo,
+    *,
+    backend: Backend = "auto",
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Invert :func:`rebatch`: [E * C, H] -> [T, H] in the original row order.
+
+    ``out`` is an optional preallocated [T, H] buffer of shuffled's dtype and device.
+    """
+    if shuffled.ndim != 2 or shuffled.shape[0] != info.padded_rows:
+        raise InputError(
+            f"shuffled must be [E*C, H] with E*C={info.padded_rows} "
+            f"(E={info.ep_size}, C={info.chunk_rows}), got shape {tuple(shuffled.shape)}"
+        )
+    shape = (info.num_tokens, shuffled.shape[1])
+    _check_out(out, shape, shuffled)
+    index = info.token_to_slot.to(shuffled.device)
+    if _use_triton(shuffled, backend):
+        return kernels.gather_rows(shuffled.contiguous(), index, out, check_index=False)
+    if out is None:
+        return shuffled.index_select(0, index)
+    return torch.index_select(shuffled, 0, index, out=out)

@@ -1,0 +1,370 @@
+"""A bundle's tables on a torch device, and the online device choice of Algorithm 2.
+
+Speculative MoE (paper 000, §B.2, Algorithm 2 line 36) decides online, per token, which
+device a token is shuffled to before a layer's gate, by table look-up only::
+
+    devids = cond(T_p[B] > A_p[B], T[B], A[B])
+
+with T / T_p the token -> device table and its confidence, and A / A_p the n-gram table
+indexed by the devices of the token's top-1 experts at the n previous layers. DESIGN.md
+fixes the tie rule: the n-gram table is used only where its confidence is *strictly*
+higher than the token table's. Optionally a per-batch capacity bounds how many tokens a
+device receives (``lar_balanced`` in DESIGN.md "Metrics"): the most confident tokens keep
+their device, the overflow fills the devices with room, least-loaded first.
+
+The three steps are public functions that take numpy arrays or torch tensors alike, so
+the evaluator scores plans with exactly the code the runtime runs:
+
+- :func:`ngram_row_index`   devices of the previous layers' top-1 experts -> n-gram row
+- :func:`online_choice`     token vs n-gram table, whichever is more confident
+- :func:`assign_with_capacity` and :func:`balanced_capacity`   the capacity rule
+
+Memory: tables stay int16 / float16 on the device (indexing an int16 table with an int64
+index is fine in torch); only per-call results are widened to int64. DeepSeek-V3's shape
+(58 layers, V = 129280, E = 32, n = 2) takes 58 * (129280 + 1024) * 4 B + 2 * 58 * 256 * 2 B
+~= 30.3 MB of device memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from planner.errors import InfeasibleError, InputError
+from planner.export.bundle import MANIFEST_FILE, TENSORS, Bundle, load_bundle_arrays
+
+DEFAULT_SLACK = 1.1  # DESIGN.md balanced LAR: at most ceil(1.1 * B / E) tokens per device
+
+
+# ---------------------------------------------------------------------------------------
+# Numpy-or-torch helpers: numpy inputs run through torch on the CPU (zero-copy) and come
+# back as numpy, so there is one implementation of each rule.
+
+
+def _as_tensor(x: Any) -> tuple[torch.Tensor, bool]:
+    if isinstance(x, torch.Tensor):
+        return x, False
+    return torch.from_numpy(np.ascontiguousarray(x)), True
+
+
+def _back(x: torch.Tensor, to_numpy: bool) -> Any:
+    return x.numpy() if to_numpy else x
+
+
+def balanced_capacity(batch_tokens: int, ep_size: int, slack: float = DEFAULT_SLACK) -> int:
+    """Most tokens one device may receive from a batch: ``ceil(slack * B / E)``.
+
+    Computed in exact rational arithmetic (``1.1 * 80 / 8`` is 11, not 12).
+    """
+    if batch_tokens < 0 or ep_size <= 0 or slack < 1:
+        raise InputError(
+            f"balanced_capacity needs batch_tokens >= 0, ep_size > 0, slack >= 1; got "
+            f"{batch_tokens}, {ep_size}, {slack}"
+        )
+    return math.ceil(Fraction(str(slack)) * batch_tokens / ep_size)
+
+
+def ngram_row_index(prev_devices: Any, ep_size: int) -> Any:
+    """Row of the n-gram table for the devices of the previous n layers' top-1 experts.
+
+    Args:
+        prev_devices: [..., n] device ids in [0, E), layer order (most recent last).
+        ep_size: E.
+
+    Returns:
+        [...] int64 base-E number with the most recent layer as least significant digit:
+        ``sum_j prev_devices[..., j] * E**(n-1-j)``.
+    """
+    d, to_np = _as_tensor(prev_devices)
+    n = d.shape[-1]
+    weights = ep_size ** torch.arange(n - 1, -1, -1, device=d.device, dtype=torch.int64)
+    return _back((d.to(torch.int64) * weights).sum(-1), to_np)
+
+
+def online_choice(
+    token_device: Any, token_confidence: Any, ngram_device: Any, ngram_confidence: Any
+) -> tuple[Any, Any]:
+    """Algorithm 2's choice: the n-gram prediction where strictly more confident.
+
+    All arguments have the same shape [...]. Returns (device [...] int64, confidence
+    [...] float32 of the chosen table).
+    """
+    td, to_np = _as_tensor(token_device)
+    tc, _ = _as_tensor(token_confidence)
+    nd, _ = _as_tensor(ngram_device)
+    nc, _ = _as_tensor(ngram_confidence)
+    use_ngram = nc.float() > tc.float()
+    device = torch.where(use_ngram, nd.to(torch.int64), td.to(torch.int64))
+    confidence = torch.where(use_ngram, nc.float(), tc.float())
+    return _back(device, to_np), _back(confidence, to_np)
+
+
+def assign_with_capacity(device: Any, confidence: Any, capacity: int, num_devices: int) -> Any:
+    """Bound each device's tokens per row; the most confident keep their device.
+
+    Each row of ``device`` is one batch. Within a row, a device's tokens are ranked by
+    confidence (descending; ties by position, earlier first) and the first ``capacity``
+    keep their device. The rest, most confident first, each go to the device with the
+    fewest tokens so far that still has room (ties: lower device id), which is the same
+    as handing out the free slots in order of (load, device).
+
+    Args:
+        device: [T] or [R, T] int device ids in [0, num_devices).
+        confidence: same shape, floats (finite).
+        capacity: C, most tokens per device and row; needs T <= C * num_devices.
+        num_devices: E.
+
+    Returns:
+        [T] or [R, T] int64 devices (numpy in, numpy out), each device holding <= C
+        tokens per row; unchanged where no device overflows.
+    """
+    dev, to_np = _as_tensor(device)
+    conf, _ = _as_tensor(confidence)
+    if dev.shape != conf.shape or dev.dim() not in (1, 2):
+        raise InputError(
+            f"device and confidence must both be [T] or [R, T]; got {list(dev.shape)} and "
+            f"{list(conf.shape)}"
+        )
+    squeeze = dev.dim() == 1
+    if squeeze:
+        dev, conf = dev[None], conf[None]
+    rows, t = dev.shape
+    e, c = int(num_devices), int(capacity)
+    if e <= 0 or c < 0:
+        raise InputError(f"need num_devices > 0 and capacity >= 0, got {e} and {c}")
+    if dev.dtype.is_floating_point or dev.dtype == torch.bool:
+        raise InputError(f"device ids must be integers, got {dev.dtype}")
+    if dev.numel() and (int(dev.min()) < 0 or int(dev.max()) >= e):
+        bad = int(dev.min()) if int(dev.min()) < 0 else int(dev.max())
+        raise InputError(f"device id {bad} outside [0, {e})")
+    if t > c * e:
+        raise InfeasibleError(
+            f"{t} tokens cannot fit {e} devices x capacity {c}; raise the capacity to at "
+            f"least {math.ceil(t / e)}"
+        )
+    out = _assign_rows(dev.to(torch.int64), conf.float(), c, e)
+    return _back(out[0] if squeeze else out, to_np)
+
+
+def _assign_rows(dev: torch.Tensor, conf: torch.Tensor, c: int, e: int) -> torch.Tensor:
+    """:func:`assign_with_capacity` on validated [R, T] int64 / float32 tensors."""
+    rows, t = dev.shape
+    torch_dev = dev.device
+    row = torch.arange(rows, device=torch_dev).repeat_interleave(t)
+    group = row * e + dev.reshape(-1)  # (row, device) pair of every token, [R*T]
+    # Tokens by confidence, descending; a stable sort keeps row-major order on ties.
+    by_conf = torch.argsort(-conf.reshape(-1), stable=True)
+    order = by_conf[torch.argsort(group[by_conf], stable=True)]  # by group, then confidence
+    counts = torch.bincount(group, minlength=rows * e)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(group)
+    rank[order] = torch.arange(rows * t, device=torch_dev) - starts[group[order]]
+    keep = rank < c
+    out = dev.reshape(-1).clone()
+    if bool(keep.all()):
+        return out.reshape(rows, t)
+
+    # Overflow tokens of each row, most confident first.
+    over = by_conf[~keep[by_conf]]
+    over = over[torch.argsort(row[over], stable=True)]
+    over_counts = torch.bincount(row[over], minlength=rows)
+    over_rank = torch.arange(over.numel(), device=torch_dev) - (
+        torch.cumsum(over_counts, 0) - over_counts
+    ).repeat_interleave(over_counts)
+
+    # Free slots (row, device, load level) in order of (row, load, device).
+    kept = counts.clamp(max=c)
+    free = c - kept
+    slot_group = torch.arange(rows * e, device=torch_dev).repeat_interleave(free)
+    slot_starts = torch.cumsum(free, 0) - free
+    within = torch.arange(slot_group.numel(), device=torch_dev) - slot_starts[slot_group]
+    level = kept[slot_group] + within  # tokens already on that device when the slot is used
+    slot_row, slot_dev = slot_group // e, slot_group % e
+    slot_order = torch.argsort((slot_row * c + level) * e + slot_dev)
+    row_free = free.reshape(rows, e).sum(1)
+    row_slot_start = torch.cumsum(row_free, 0) - row_free
+    chosen = slot_order[row_slot_start[row[over]] + over_rank]
+    out[over] = slot_dev[chosen]
+    return out.reshape(rows, t)
+
+
+# ---------------------------------------------------------------------------------------
+# The runtime view of a bundle
+
+
+@dataclass(frozen=True, eq=False)
+class PlanTables:
+    """A bundle's tables as torch tensors on one device (int16 / float16, as stored).
+
+    Attributes:
+        expert_to_device: [L, N] int16.
+        expert_permutation: [L, N] int16, slot s (on device s // (N/E)) -> logical expert.
+        token_to_device: [L, V] int16.
+        token_confidence: [L, V] float16.
+        ngram_to_device: [L, E**n] int16.
+        ngram_confidence: [L, E**n] float16.
+        ep_size: E.
+        ngram_order: n.
+        num_layers: L (MoE layers).
+        num_experts: N.
+        vocab_size: V.
+        manifest: the bundle's manifest.json as a dict.
+    """
+
+    expert_to_device: torch.Tensor
+    expert_permutation: torch.Tensor
+    token_to_device: torch.Tensor
+    token_confidence: torch.Tensor
+    ngram_to_device: torch.Tensor
+    ngram_confidence: torch.Tensor
+    ep_size: int
+    ngram_order: int
+    num_layers: int
+    num_experts: int
+    vocab_size: int
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_bundle(
+        cls,
+        bundle: Bundle,
+        device: torch.device | str | None = None,
+        manifest: dict[str, Any] | None = None,
+    ) -> PlanTables:
+        """Tables of an in-memory bundle on ``device`` (``manifest`` defaults to its own)."""
+        tensors = {
+            name: torch.from_numpy(np.array(arr, copy=True)).to(device)
+            for name, arr in bundle.tables().items()
+        }
+        return cls(
+            **tensors,
+            ep_size=bundle.ep_size,
+            ngram_order=bundle.ngram_order,
+            num_layers=bundle.meta.num_layers,
+            num_experts=bundle.meta.num_experts,
+            vocab_size=bundle.meta.vocab_size,
+            manifest=manifest if manifest is not None else bundle.manifest(),
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.token_to_device.device
+
+    def to(self, device: torch.device | str) -> PlanTables:
+        """The same tables on another device."""
+        moved = {name: getattr(self, name).to(device) for name in TENSORS}
+        return PlanTables(
+            **moved,
+            ep_size=self.ep_size,
+            ngram_order=self.ngram_order,
+            num_layers=self.num_layers,
+            num_experts=self.num_experts,
+            vocab_size=self.vocab_size,
+            manifest=self.manifest,
+        )
+
+    def route(
+        self,
+        token_ids: torch.Tensor,
+        layer: int,
+        prev_top1_experts: torch.Tensor | None = None,
+        max_tokens_per_device: int | None = None,
+        *,
+        validate: bool = True,
+    ) -> torch.Tensor:
+        """Device each token is sent to before MoE layer ``layer``'s gate (Algorithm 2).
+
+        Args:
+            token_ids: [T] int token ids in [0, V).
+            layer: MoE layer index in [0, L).
+            prev_top1_experts: [T, n] logical top-1 experts of each token at MoE layers
+                l-n .. l-1 (most recent last), or None. Used only when ``layer >= n``;
+                otherwise (or when None) the token table alone decides.
+            max_tokens_per_device: optional capacity C over these T tokens (see
+                :func:`assign_with_capacity`; :func:`balanced_capacity` gives DESIGN.md's).
+            validate: check id ranges (costs a host sync on an accelerator).
+
+        Returns:
+            [T] int64 device ids in [0, E), on the tables' device.
+        """
+        dev, conf = self.choose(token_ids, layer, prev_top1_experts, validate=validate)
+        if max_tokens_per_device is None:
+            return dev
+        return assign_with_capacity(dev, conf, max_tokens_per_device, self.ep_size)
+
+    def choose(
+        self,
+        token_ids: torch.Tensor,
+        layer: int,
+        prev_top1_experts: torch.Tensor | None = None,
+        *,
+        validate: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`route` without capacity: (device [T] int64, confidence [T] float32)."""
+        ids = self._check_route_args(token_ids, layer, prev_top1_experts, validate)
+        token_dev = self.token_to_device[layer][ids]
+        token_conf = self.token_confidence[layer][ids]
+        n = self.ngram_order
+        if prev_top1_experts is None or layer < n:
+            return token_dev.to(torch.int64), token_conf.float()
+        prev = prev_top1_experts.to(device=self.device, dtype=torch.int64)
+        # Device of each previous layer's top-1 expert: expert_to_device[l-n+j, prev[:, j]].
+        prev_layers = torch.arange(layer - n, layer, device=self.device)
+        prev_dev = self.expert_to_device[prev_layers[None, :], prev]
+        row = ngram_row_index(prev_dev, self.ep_size)
+        return online_choice(
+            token_dev,
+            token_conf,
+            self.ngram_to_device[layer][row],
+            self.ngram_confidence[layer][row],
+        )
+
+    def _check_route_args(
+        self,
+        token_ids: torch.Tensor,
+        layer: int,
+        prev: torch.Tensor | None,
+        validate: bool,
+    ) -> torch.Tensor:
+        if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise InputError(f"layer={layer!r} outside [0, {self.num_layers}) MoE layers")
+        if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1:
+            raise InputError("token_ids must be a 1-D integer tensor [T]")
+        if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
+            raise InputError(f"token_ids must hold integers, got {token_ids.dtype}")
+        ids = token_ids.to(device=self.device, dtype=torch.int64)
+        if prev is not None:
+            want = (token_ids.shape[0], self.ngram_order)
+            if not isinstance(prev, torch.Tensor) or tuple(prev.shape) != want:
+                got = list(prev.shape) if isinstance(prev, torch.Tensor) else type(prev).__name__
+                raise InputError(f"prev_top1_experts must be [T, n] = {list(want)}, got {got}")
+            if prev.dtype.is_floating_point or prev.dtype == torch.bool:
+                raise InputError(f"prev_top1_experts must hold integers, got {prev.dtype}")
+        if validate and ids.numel():
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= self.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise InputError(f"token id {bad} outside [0, {self.vocab_size}) (vocab_size)")
+            if prev is not None and prev.numel():
+                lo, hi = int(prev.min()), int(prev.max())
+                if lo < 0 or hi >= self.num_experts:
+                    bad = lo if lo < 0 else hi
+                    raise InputError(
+                        f"prev_top1_experts holds expert {bad}, outside [0, {self.num_experts})"
+                    )
+        return ids
+
+
+def load_bundle(path: str | os.PathLike, device: torch.device | str | None = None) -> PlanTables:
+    """Read and validate the bundle at ``path`` (see :func:`load_bundle_arrays`) onto ``device``."""
+    bundle = load_bundle_arrays(path)
+    manifest = json.loads((Path(path) / MANIFEST_FILE).read_text())  # as validated above
+    return PlanTables.from_bundle(bundle, device, manifest)

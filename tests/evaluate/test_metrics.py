@@ -1,0 +1,123 @@
+"""DESIGN.md metrics: the streaming evaluator against a plain per-token reference loop."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from planner.errors import MismatchError
+from planner.evaluate import EvalConfig, evaluate_bundle
+from planner.export.bundle import Bundle
+from planner.trace import TraceMeta, open_trace, write_trace
+from tests.conftest import random_batch
+
+
+def _random_bundle(meta: TraceMeta, ep: int, order: int, seed: int) -> Bundle:
+    rng = np.random.default_rng(seed)
+    big_l, n, v = meta.num_layers, meta.num_experts, meta.vocab_size
+    e2d = np.stack([rng.permutation(np.arange(n) // (n // ep)) for _ in range(big_l)])
+    return Bundle.from_arrays(
+        meta,
+        ep_size=ep,
+        ngram_order=order,
+        expert_to_device=e2d,
+        token_to_device=rng.integers(0, ep, (big_l, v)),
+        token_confidence=rng.random((big_l, v)).astype(np.float16),
+        ngram_to_device=rng.integers(0, ep, (big_l, ep**order)),
+        ngram_confidence=rng.random((big_l, ep**order)).astype(np.float16),
+    )
+
+
+def _reference(bundle: Bundle, batch, ep: int, order: int):
+    """Per-token loops over DESIGN.md's definitions (no capacity)."""
+    t_count, big_l, k = batch.experts.shape
+    local = {"token": 0, "online": 0, "vanilla": 0}
+    van_remote = van_touched = 0
+    ngram_local = ngram_occ = 0
+    lengths = {r: int((batch.request_id == r).sum()) for r in np.unique(batch.request_id)}
+    for t in range(t_count):
+        tok = batch.token_id[t]
+        van = min(batch.position[t] * ep // lengths[batch.request_id[t]], ep - 1)
+        for layer in range(big_l):
+            exp_dev = [int(bundle.expert_to_device[layer, x]) for x in batch.experts[t, layer]]
+            td, tc = (
+                int(bundle.token_to_device[layer, tok]),
+                float(bundle.token_confidence[layer, tok]),
+            )
+            nd, nc = -1, 0.0
+            if layer >= order:
+                row = 0
+                for j in range(layer - order, layer):
+                    row = row * ep + int(bundle.expert_to_device[j, batch.experts[t, j, 0]])
+                nd, nc = (
+                    int(bundle.ngram_to_device[layer, row]),
+                    float(bundle.ngram_confidence[layer, row]),
+                )
+                ngram_local += exp_dev.count(nd)
+                ngram_occ += k
+            chosen = nd if nc > tc else td
+            local["token"] += exp_dev.count(td)
+            local["online"] += exp_dev.count(chosen)
+            n_per = bundle.meta.num_experts // ep
+            local["vanilla"] += sum(int(x) // n_per == van for x in batch.experts[t, layer])
+            van_devs = {int(x) // n_per for x in batch.experts[t, layer]}
+            van_touched += len(van_devs)
+            van_remote += len(van_devs - {van})
+    return local, ngram_local / ngram_occ, van_remote / van_touched
+
+
+@pytest.mark.parametrize("ep, order", [(2, 1), (4, 2)])
+def test_matches_reference_loop(tmp_path, ep, order):
+    meta = TraceMeta("test/m", num_layers=4, num_experts=8, top_k=2, vocab_size=30)
+    batch = random_batch(meta, 300, seed=ep, requests=5)
+    path = write_trace(tmp_path / "t.parquet", meta, batch)
+    bundle = _random_bundle(meta, ep, order, seed=1)
+    report = evaluate_bundle(bundle, open_trace(path), EvalConfig(batch_tokens=64))
+    local, lar_ngram, remote_vanilla = _reference(bundle, batch, ep, order)
+    occ = 300 * 4 * 2
+    ov = report["overall"]
+    assert ov["lar_token"] == pytest.approx(local["token"] / occ, abs=1e-6)
+    assert ov["lar"] == pytest.approx(local["online"] / occ, abs=1e-6)
+    assert ov["lar_vanilla"] == pytest.approx(local["vanilla"] / occ, abs=1e-6)
+    assert ov["lar_ngram"] == pytest.approx(lar_ngram, abs=1e-6)
+    assert ov["remote_fraction_vanilla"] == pytest.approx(remote_vanilla, abs=1e-6)
+    assert len(report["per_layer"]) == 4
+
+
+def test_balanced_caps_every_batch_and_perfect_plan(tmp_path):
+    """A plan that matches routing exactly: LAR 1; the cap then bounds tokens per device."""
+    meta = TraceMeta("test/m", num_layers=2, num_experts=4, top_k=2, vocab_size=4)
+    # Token j routes to experts {2*(j%2), 2*(j%2)+1}: device j%2 hosts both of them.
+    tokens = np.array([0, 0, 0, 0, 0, 0, 1, 1])
+    experts = np.stack([np.stack([2 * (tokens % 2), 2 * (tokens % 2) + 1], -1)] * 2, 1)
+    weights = np.full(experts.shape, 0.5)
+    from planner.trace import TraceBatch
+
+    batch = TraceBatch.from_arrays(np.zeros(8), np.arange(8), tokens, experts, weights)
+    path = write_trace(tmp_path / "t.parquet", meta, batch)
+    bundle = Bundle.from_arrays(
+        meta, ep_size=2, ngram_order=1,
+        expert_to_device=[[0, 0, 1, 1]] * 2,
+        token_to_device=[[0, 1, 0, 1]] * 2,
+        token_confidence=np.ones((2, 4)),
+        ngram_to_device=np.zeros((2, 2), int), ngram_confidence=np.zeros((2, 2)),
+    )  # fmt: skip
+    ov = evaluate_bundle(bundle, open_trace(path), EvalConfig(batch_tokens=8))["overall"]
+    assert ov["lar"] == 1.0 and ov["lar_token"] == 1.0
+    assert ov["oracle_bound"] == 1.0
+    assert ov["remote_fraction"] < 1e-9 or ov["lar_balanced"] < 1.0
+    assert ov["token_imbalance"] == pytest.approx(6 / 4)
+    cap = math.ceil(1.1 * 8 / 2)  # 5 of the 6 device-0 tokens keep their device
+    assert ov["token_imbalance_balanced"] == pytest.approx(cap / 4)
+    assert ov["lar_balanced"] == pytest.approx((8 - (6 - cap)) / 8)
+    # Vanilla: experts 0,1 on device 0; first half of the sequence on device 0.
+    assert ov["lar_vanilla"] == pytest.approx(6 / 8)
+
+
+def test_refuses_other_model(tmp_path, small_meta):
+    path = write_trace(tmp_path / "t.parquet", small_meta, random_batch(small_meta, 10))
+    other = TraceMeta("other", 3, 8, 2, 50)
+    with pytest.raises(MismatchError, match="fingerprint"):
+        evaluate_bundle(_random_bundle(other, 2, 1, 0), open_trace(path))

@@ -1,0 +1,123 @@
+"""Check the Triton row-gather kernel in Triton's CPU interpreter; run by test_kernels.py.
+
+Usage: ``python tests/runtime_shim/_interpret_worker.py OUT.json``. TRITON_INTERPRET must
+be set before triton is imported (triton decides interpreted vs compiled when ``@triton.jit``
+runs), so this runs in its own process rather than inside pytest, where another test may
+already have imported the kernel module. Writes {case name: "ok" or a failure message}.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import json  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+
+import torch  # noqa: E402
+
+from planner.runtime_shim import kernels  # noqa: E402
+from planner.runtime_shim.rebatch import rebatch, resume  # noqa: E402
+
+# Large blocks: the interpreter runs one program at a time, so few programs keep it fast;
+# still smaller than the sizes below so row and column masks are exercised.
+BLOCK_ROWS, BLOCK_COLS = 16, 8
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def devices_for(kind: str, tokens: int, ep: int, g: torch.Generator) -> torch.Tensor:
+    if kind == "random":
+        return torch.randint(0, ep, (tokens,), generator=g)
+    if kind == "empty_groups":  # devices 1 and ep-1 get nothing
+        return torch.randint(0, 2, (tokens,), generator=g) * 2
+    if kind == "one_device_all":
+        return torch.full((tokens,), ep - 1)
+    raise ValueError(kind)
+
+
+def check_rebatch(dtype_name: str, kind: str, tokens: int, hidden: int, ep: int) -> None:
+    dtype = DTYPES[dtype_name]
+    g = torch.Generator().manual_seed(tokens * 31 + hidden)
+    x = torch.randn((tokens, hidden), generator=g).to(dtype)
+    devices = devices_for(kind, tokens, ep, g)
+    want, info = rebatch(x, devices, ep, backend="torch")
+    got, info_t = rebatch(x, devices, ep, backend="triton")
+    assert got.dtype == dtype and got.shape == want.shape
+    assert torch.equal(got, want), "triton rebatch differs from torch rebatch"
+    assert torch.equal(info_t.slot_to_token, info.slot_to_token)
+    back = resume(got, info_t, backend="triton")
+    assert torch.equal(back, x), "triton resume(rebatch(x)) != x"
+
+
+def check_gather_direct(dtype_name: str) -> None:
+    """Direct wrapper call with explicit small blocks: masks on both axes, -1 rows, out=."""
+    dtype = DTYPES[dtype_name]
+    g = torch.Generator().manual_seed(7)
+    src = torch.randn((37, 13), generator=g).to(dtype)
+    index = torch.randint(-1, 37, (45,), generator=g)
+    want = torch.where((index >= 0)[:, None], src[index.clamp(min=0)], torch.zeros((), dtype=dtype))
+    got = kernels.gather_rows(src, index, block_rows=BLOCK_ROWS, block_cols=BLOCK_COLS)
+    assert torch.equal(got, want), "gather_rows differs from torch indexing"
+    out = torch.full((45, 13), 5.0, dtype=dtype)
+    kernels.gather_rows(src, index, out, block_rows=BLOCK_ROWS, block_cols=BLOCK_COLS)
+    assert torch.equal(out, want), "gather_rows(out=...) differs"
+    # A source with padded row stride (a column slice of a wider matrix).
+    wide = torch.randn((37, 20), generator=g).to(dtype)
+    got = kernels.gather_rows(wide[:, :13], index, block_rows=BLOCK_ROWS, block_cols=BLOCK_COLS)
+    sliced = wide[:, :13]
+    want = torch.where(
+        (index >= 0)[:, None], sliced[index.clamp(min=0)], torch.zeros((), dtype=dtype)
+    )
+    assert torch.equal(got, want), "gather_rows with a row stride != H differs"
+
+
+CASES = {}
+for _dt in DTYPES:
+    CASES[f"direct_{_dt}"] = (check_gather_direct, (_dt,))
+    # T not a multiple of any block, H odd and wider than one column block of the default.
+    CASES[f"random_{_dt}"] = (check_rebatch, (_dt, "random", 203, 1029, 4))
+    CASES[f"empty_groups_{_dt}"] = (check_rebatch, (_dt, "empty_groups", 301, 7, 4))
+    CASES[f"one_device_all_{_dt}"] = (check_rebatch, (_dt, "one_device_all", 97, 5, 8))
+CASES["single_row_fp32"] = (check_rebatch, ("fp32", "random", 1, 3, 2))
+
+
+def check_validation() -> None:
+    from planner.errors import InputError
+
+    src = torch.zeros((4, 3))
+    bad_calls = {
+        "index out of range": lambda: kernels.gather_rows(src, torch.tensor([0, 4])),
+        "index below -1": lambda: kernels.gather_rows(src, torch.tensor([-2])),
+        "int32 index": lambda: kernels.gather_rows(src, torch.tensor([0], dtype=torch.int32)),
+        "strided columns": lambda: kernels.gather_rows(src.t(), torch.tensor([0])),
+        "wrong out shape": lambda: kernels.gather_rows(src, torch.tensor([0]), torch.zeros(2, 3)),
+        "block not power of two": lambda: kernels.gather_rows(src, torch.tensor([0]), block_cols=6),
+    }
+    for what, call in bad_calls.items():
+        try:
+            call()
+        except InputError:
+            continue
+        raise AssertionError(f"{what}: no InputError")
+
+
+CASES["validation"] = (check_validation, ())
+
+
+def main(out_path: str) -> None:
+    assert kernels.INTERPRETED, "TRITON_INTERPRET did not take effect"
+    results = {}
+    for name, (fn, args) in CASES.items():
+        try:
+            fn(*args)
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc(limit=4)
+    with open(out_path, "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,217 @@
+"""apply_expert_placement on tiny random models of all 8 supported architectures."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from planner.errors import InputError, MismatchError, ModelError
+from planner.profile.routers import ADAPTERS
+from planner.runtime_shim.permute import (
+    EXPERT_TENSORS,
+    _reorder_module_list,
+    apply_expert_placement,
+    check_group_preserving,
+    find_moe_layers,
+    permute_expert_axis,
+    physical_to_logical,
+)
+from tests.profile.tiny_models import ARCH_CONFIGS, build_model
+from tests.runtime_shim.conftest import make_tables
+
+EP_SIZE = 4
+N_EXPERTS = 8
+
+
+def group_preserving_perm(rng: np.random.Generator, n: int, n_group: int) -> np.ndarray:
+    """Shuffle the groups, then the experts inside each group."""
+    size = n // n_group
+    groups = rng.permutation(n_group)
+    return np.concatenate([g * size + rng.permutation(size) for g in groups])
+
+
+def run(model: nn.Module, input_ids: torch.Tensor):
+    """Logits [B, S, V] and, per MoE layer, (router logits [T, N], ids [T, k], weights [T, k])."""
+    _, handles = find_moe_layers(model)
+    seen: list = []
+    hooks = [
+        # Every supported router returns (router_logits, weights, ids).
+        h.router.register_forward_hook(
+            lambda m, a, out: seen.append((out[0].detach(), out[2], out[1].detach()))
+        )
+        for h in handles
+    ]
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=input_ids).logits
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(seen) == len(handles)
+    return logits, seen
+
+
+def test_registry_covers_every_profiled_architecture():
+    assert set(EXPERT_TENSORS) == set(ADAPTERS) == set(ARCH_CONFIGS)
+
+
+@pytest.mark.parametrize("model_type", sorted(ARCH_CONFIGS))
+def test_permuted_model_computes_the_same_function(model_type):
+    model = build_model(model_type, ARCH_CONFIGS[model_type])
+    rng = np.random.default_rng(1)
+    input_ids = torch.from_numpy(rng.integers(3, 72, (2, 11)))
+    before_logits, before = run(model, input_ids)
+
+    _, handles = find_moe_layers(model)
+    groups = EXPERT_TENSORS[model_type].routing_groups(model.config)
+    n_group = groups[0] if groups else 1
+    perm = np.stack([group_preserving_perm(rng, N_EXPERTS, n_group) for _ in handles])
+    assert (perm != np.arange(N_EXPERTS)).any(axis=1).all()
+    tables = make_tables(perm, EP_SIZE)
+    assert apply_expert_placement(model, tables) is model
+
+    after_logits, after = run(model, input_ids)
+    torch.testing.assert_close(after_logits, before_logits, atol=1e-5, rtol=0)
+    changed = False
+    for layer, ((lb, ib, wb), (la, ia, wa)) in enumerate(zip(before, after, strict=True)):
+        p = torch.from_numpy(perm[layer])
+        # Router column s now scores logical expert perm[s].
+        torch.testing.assert_close(la.float(), lb.float()[:, p], atol=1e-5, rtol=1e-6)
+        # Routed physical ids map back to the same logical experts with the same weights.
+        logical = p[ia]
+        ob, oa = ib.argsort(-1), logical.argsort(-1)
+        assert torch.equal(ib.gather(-1, ob), logical.gather(-1, oa)), f"layer {layer}"
+        torch.testing.assert_close(wa.gather(-1, oa), wb.gather(-1, ob), atol=1e-5, rtol=1e-6)
+        changed |= not torch.equal(ia, ib)
+    assert changed, "the permutation did not change any routed id: the test checks nothing"
+    assert torch.equal(model.moeplan_expert_permutation, torch.from_numpy(perm))
+
+
+def test_physical_to_logical_matches_the_table():
+    perm = np.array([[2, 0, 1], [1, 2, 0]])
+    ids = torch.tensor([[[0, 2], [1, 0]]])  # [T=1, L=2, k=2]
+    assert physical_to_logical(ids, torch.from_numpy(perm)).tolist() == [[[2, 1], [2, 1]]]
+
+
+def deepseek(model_type: str, **overrides):
+    return build_model(model_type, ARCH_CONFIGS[model_type] | overrides)
+
+
+# Group-limited settings that constrain the choice (n_group=4 groups of 2 experts, top-2):
+# V2 ranks groups by their best expert, so only topk_group < k constrains it.
+CONSTRAINED = {"deepseek_v2": dict(topk_group=1), "deepseek_v3": dict()}
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3"])
+def test_permutation_across_routing_groups_is_refused(model_type):
+    model = deepseek(model_type, **CONSTRAINED[model_type])
+    weight = model.base_model.layers[1].mlp.gate.weight.clone()
+    perm = np.tile(np.arange(N_EXPERTS), (2, 1))
+    perm[1, [1, 2]] = perm[1, [2, 1]]  # experts 1 and 2 sit in different groups
+    with pytest.raises(InputError, match="physical group 0 .* groups \\[0, 1\\]"):
+        apply_expert_placement(model, make_tables(perm, EP_SIZE))
+    # Nothing was changed by the refused call.
+    assert torch.equal(model.base_model.layers[1].mlp.gate.weight, weight)
+    assert getattr(model, "moeplan_expert_permutation", None) is None
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3"])
+def test_cross_group_permutation_would_change_the_output(model_type):
+    """Why the check exists: forcing a cross-group move changes what the model computes."""
+    model = deepseek(model_type, **CONSTRAINED[model_type])
+    input_ids = torch.arange(3, 43).reshape(2, 20)
+    before, _ = run(model, input_ids)
+    _, handles = find_moe_layers(model)
+    spec = EXPERT_TENSORS[model_type]
+    perm = torch.tensor([0, 2, 1, 3, 4, 6, 5, 7])
+    for h in handles:
+        router = [t for n, t in list(h.router.named_parameters()) + list(h.router.named_buffers())]
+        permute_expert_axis(router + [getattr(h.experts, n) for n in spec.experts], perm)
+    after, _ = run(model, input_ids)
+    assert not torch.allclose(after, before, atol=1e-5)
+
+
+def test_any_permutation_when_grouping_does_not_constrain():
+    # All groups eligible (topk_group == n_group), plain greedy top-k, or V2 with
+    # topk_group >= k: grouping cannot change the choice, so any permutation is accepted.
+    for model_type, overrides in [
+        ("deepseek_v3", dict(topk_group=4)),
+        ("deepseek_v2", dict(topk_method="greedy", topk_group=1)),
+        ("deepseek_v2", dict(topk_group=2)),
+    ]:
+        model = deepseek(model_type, **overrides)
+        input_ids = torch.arange(3, 25).reshape(2, 11)
+        before, _ = run(model, input_ids)
+        perm = np.stack([np.random.default_rng(s).permutation(N_EXPERTS) for s in (0, 1)])
+        apply_expert_placement(model, make_tables(perm, EP_SIZE))
+        after, _ = run(model, input_ids)
+        torch.testing.assert_close(after, before, atol=1e-5, rtol=0)
+
+
+def test_check_group_preserving_accepts_group_moves():
+    check_group_preserving(np.array([[6, 7, 1, 0, 2, 3, 5, 4]]), n_group=4)
+    with pytest.raises(InputError, match="not divisible"):
+        check_group_preserving(np.array([[0, 1, 2]]), n_group=2)
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    # decoder_sparse_step=2 over 4 layers: MoE layers are model layers 1 and 3.
+    return build_model("qwen3_moe", ARCH_CONFIGS["qwen3_moe"])
+
+
+def fresh_qwen3():
+    return build_model("qwen3_moe", ARCH_CONFIGS["qwen3_moe"])
+
+
+def test_moe_layers_inferred_given_or_from_the_manifest():
+    perm = np.stack([np.roll(np.arange(N_EXPERTS), 1), np.arange(N_EXPERTS)])
+    # Given explicitly: the first table row goes to model layer 3.
+    model = fresh_qwen3()
+    w3 = model.base_model.layers[3].mlp.gate.weight.clone()
+    apply_expert_placement(model, make_tables(perm, EP_SIZE), moe_layer_indices=[3, 1])
+    assert torch.equal(model.base_model.layers[3].mlp.gate.weight, w3[torch.from_numpy(perm[0])])
+    # From the manifest.
+    model = fresh_qwen3()
+    w3 = model.base_model.layers[3].mlp.gate.weight.clone()
+    manifest = {"model": {"moe_layer_indices": [3, 1]}}
+    apply_expert_placement(model, make_tables(perm, EP_SIZE, manifest=manifest))
+    assert torch.equal(model.base_model.layers[3].mlp.gate.weight, w3[torch.from_numpy(perm[0])])
+
+
+def test_errors():
+    ident = np.tile(np.arange(N_EXPERTS), (2, 1))
+    with pytest.raises(MismatchError, match="3 MoE layers"):
+        apply_expert_placement(fresh_qwen3(), make_tables(np.tile(np.arange(8), (3, 1)), 4))
+    with pytest.raises(MismatchError, match="4 experts per layer"):
+        apply_expert_placement(fresh_qwen3(), make_tables(np.tile(np.arange(4), (2, 1)), 2))
+    with pytest.raises(InputError, match="not MoE layers: \\[0\\]"):
+        apply_expert_placement(fresh_qwen3(), make_tables(ident, 4), moe_layer_indices=[0, 1])
+    bad = ident.copy()
+    bad[1, 0] = 1
+    with pytest.raises(InputError, match="row 1 is not a permutation"):
+        apply_expert_placement(fresh_qwen3(), make_tables(bad, 4))
+    model = fresh_qwen3()
+    apply_expert_placement(model, make_tables(ident, 4))
+    with pytest.raises(InputError, match="already applied"):
+        apply_expert_placement(model, make_tables(ident, 4))
+
+
+def test_unsupported_or_unknown_layouts_raise_model_error():
+    dense = build_model("qwen3", dict(head_dim=8))
+    with pytest.raises(ModelError, match="unsupported architecture 'qwen3'"):
+        apply_expert_placement(dense, make_tables(np.tile(np.arange(8), (2, 1)), 4))
+    model = fresh_qwen3()
+    experts = model.base_model.layers[1].mlp.experts
+    experts.register_buffer("scale", torch.ones(N_EXPERTS))  # a tensor the table lacks
+    with pytest.raises(ModelError, match="'scale'"):
+        apply_expert_placement(model, make_tables(np.tile(np.arange(8), (2, 1)), 4))
+
+
+def test_module_list_experts_are_reordered():
+    experts = nn.ModuleList([nn.Linear(2, 2) for _ in range(4)])
+    ids = [id(m) for m in experts]
+    _reorder_module_list(experts, [2, 0, 3, 1])
+    assert [id(m) for m in experts] == [ids[2], ids[0], ids[3], ids[1]]

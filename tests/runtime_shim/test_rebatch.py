@@ -1,0 +1,135 @@
+"""rebatch / resume on the torch path: worked example, invariants, errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.errors import InputError
+from planner.runtime_shim.rebatch import apply_rebatch, plan_rebatch, rebatch, resume
+
+
+def test_worked_example_from_the_docstring():
+    x = torch.arange(12.0).reshape(3, 4)
+    shuffled, info = rebatch(x, torch.tensor([1, 0, 1]), 2)
+    assert info.slot_to_token.tolist() == [1, -1, 0, 2]
+    assert info.token_to_slot.tolist() == [2, 0, 3]
+    assert info.counts.tolist() == [1, 2]
+    assert (info.chunk_rows, info.padded_rows, info.ep_size, info.num_tokens) == (2, 4, 2, 3)
+    want = torch.stack([x[1], torch.zeros(4), x[0], x[2]])
+    assert torch.equal(shuffled, want)
+    assert torch.equal(resume(shuffled, info), x)
+    assert info.chunk_tokens(1).tolist() == [0, 2]
+
+
+def expected_layout(x: torch.Tensor, devices: list[int], ep: int, chunk: int) -> torch.Tensor:
+    """Independent reference: Python loop over devices, stable order, zero padding."""
+    out = torch.zeros((ep * chunk, x.shape[1]), dtype=x.dtype)
+    for d in range(ep):
+        rows = [t for t, dev in enumerate(devices) if dev == d]
+        for i, t in enumerate(rows):
+            out[d * chunk + i] = x[t]
+    return out
+
+
+@st.composite
+def rebatch_inputs(draw):
+    ep = draw(st.integers(1, 6))
+    tokens = draw(st.integers(0, 40))
+    hidden = draw(st.integers(1, 5))
+    devices = draw(st.lists(st.integers(0, ep - 1), min_size=tokens, max_size=tokens))
+    extra = draw(st.one_of(st.none(), st.integers(0, 3)))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float64]))
+    return ep, hidden, devices, extra, dtype
+
+
+@settings(max_examples=60, deadline=None)
+@given(rebatch_inputs())
+def test_resume_inverts_rebatch_and_layout_is_grouped_stable_and_zero_padded(case):
+    ep, hidden, devices, extra, dtype = case
+    tokens = len(devices)
+    # Nonzero, distinct rows so padding and misplaced rows are both visible.
+    x = (torch.arange(tokens * hidden, dtype=torch.float64).reshape(tokens, hidden) + 1).to(dtype)
+    largest = max((devices.count(d) for d in range(ep)), default=0)
+    chunk = None if extra is None else largest + extra
+    shuffled, info = rebatch(x, torch.tensor(devices, dtype=torch.int64), ep, chunk_rows=chunk)
+    c = largest if chunk is None else chunk
+    assert info.chunk_rows == c
+    assert shuffled.shape == (ep * c, hidden)
+    assert torch.equal(shuffled, expected_layout(x, devices, ep, c))
+    back = resume(shuffled, info)
+    assert back.dtype == dtype
+    assert torch.equal(back, x)
+    # The two index maps are inverse to each other on the real slots.
+    real = info.slot_to_token >= 0
+    assert int(real.sum()) == tokens
+    assert torch.equal(info.token_to_slot[info.slot_to_token[real]], torch.nonzero(real)[:, 0])
+
+
+def test_one_plan_moves_several_tensors_and_out_buffers_are_used():
+    g = torch.Generator().manual_seed(0)
+    devices = torch.randint(0, 4, (50,), generator=g)
+    info = plan_rebatch(devices, 4)
+    a = torch.randn((50, 6), generator=g)
+    b = torch.randn((50, 3), generator=g).to(torch.bfloat16)
+    buf = torch.full((info.padded_rows, 6), 9.0)
+    got = apply_rebatch(a, info, out=buf)
+    assert got.data_ptr() == buf.data_ptr()
+    assert torch.equal(buf, rebatch(a, devices, 4)[0])
+    back = torch.empty_like(a)
+    resume(buf, info, out=back)
+    assert torch.equal(back, a)
+    assert torch.equal(resume(apply_rebatch(b, info), info), b)
+
+
+def test_numpy_devices_and_int16_are_accepted():
+    x = torch.randn(5, 2)
+    devices = np.array([3, 0, 3, 1, 0], dtype=np.int16)
+    shuffled, info = rebatch(x, torch.from_numpy(devices), 4)
+    assert info.counts.tolist() == [2, 1, 0, 2]
+    assert torch.equal(resume(shuffled, info), x)
+
+
+def test_empty_batch():
+    shuffled, info = rebatch(torch.zeros(0, 3), torch.zeros(0, dtype=torch.int64), 4)
+    assert shuffled.shape == (0, 3)
+    assert resume(shuffled, info).shape == (0, 3)
+    padded, info = rebatch(torch.zeros(0, 3), torch.zeros(0, dtype=torch.int64), 2, chunk_rows=2)
+    assert torch.equal(padded, torch.zeros(4, 3))
+    assert resume(padded, info).shape == (0, 3)
+
+
+@pytest.mark.parametrize(
+    ("devices", "ep", "chunk_rows", "match"),
+    [
+        ([0, 2], 2, None, "device id 2 outside"),
+        ([0, -1], 2, None, "device id -1 outside"),
+        ([0.0, 1.0], 2, None, "integers"),
+        ([0, 0, 1], 2, 1, "chunk_rows=1 is smaller than the largest device group"),
+        ([0, 1], 0, None, "ep_size must be a positive integer"),
+    ],
+)
+def test_bad_plans_raise_input_error(devices, ep, chunk_rows, match):
+    x = torch.zeros(len(devices), 2)
+    with pytest.raises(InputError, match=match):
+        rebatch(x, torch.tensor(devices), ep, chunk_rows=chunk_rows)
+
+
+def test_shape_mismatches_raise_input_error():
+    x = torch.zeros(3, 2)
+    with pytest.raises(InputError, match="devices must be"):
+        rebatch(x, torch.tensor([0, 1]), 2)
+    with pytest.raises(InputError, match="hidden must be"):
+        rebatch(torch.zeros(3), torch.tensor([0, 1, 0]), 2)
+    shuffled, info = rebatch(x, torch.tensor([0, 1, 0]), 2)
+    with pytest.raises(InputError, match="shuffled must be"):
+        resume(shuffled[:-1], info)
+    with pytest.raises(InputError, match="out must be"):
+        resume(shuffled, info, out=torch.zeros(3, 2, dtype=torch.float64))
+    with pytest.raises(InputError, match="backend must be"):
+        rebatch(x, torch.tensor([0, 1, 0]), 2, backend="cuda")
+    with pytest.raises(InputError, match="device 5 outside"):
+        info.chunk_tokens(5)

@@ -1,0 +1,133 @@
+"""Attention-DP request scheduling (Sem-MoE Algorithm 2) on cases with known answers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from planner.errors import InputError, MismatchError
+from planner.runtime_shim.schedule import (
+    evaluate_schedule,
+    request_device_scores,
+    round_robin,
+    schedule_by_scores,
+    schedule_requests,
+)
+from planner.trace import TraceBatch, TraceMeta, write_trace
+from tests.runtime_shim.conftest import make_tables
+
+V = 10
+
+
+def split_tables(ep_size: int = 2, num_layers: int = 1, confidence: float = 1.0):
+    """Tokens 0-4 -> device 0, tokens 5-9 -> device 1 (every layer); experts 0-3 on device
+    0 and 4-7 on device 1 (identity permutation, N = 8)."""
+    t2d = np.tile((np.arange(V) >= 5).astype(np.int64), (num_layers, 1))
+    conf = np.full((num_layers, V), confidence)
+    perm = np.tile(np.arange(8), (num_layers, 1))
+    return make_tables(perm, ep_size, token_to_device=t2d, token_confidence=conf)
+
+
+def test_requests_go_to_their_device_and_rounds_cover_every_rank():
+    tables = split_tables()
+    requests = [[0, 1, 2], [5, 6], [7, 8, 9], [3, 4]]
+    scores = request_device_scores(requests, tables)
+    assert scores.tolist() == [[3, 0], [0, 2], [0, 3], [2, 0]]
+    assert schedule_requests(requests, tables, dp_size=2).tolist() == [0, 1, 1, 0]
+    assert round_robin(4, 2).tolist() == [0, 1, 0, 1]
+
+
+def test_mask_forces_balance_when_every_request_prefers_one_device():
+    # All prefer device 0: each round of 2 still uses both ranks.
+    requests = [[0, 1], [2], [0, 3, 4], [1]]
+    assert schedule_requests(requests, split_tables(), 2).tolist() == [0, 1, 0, 1]
+
+
+def test_mask_resets_only_after_all_devices_are_used():
+    scores = np.array(
+        [
+            [5, 1, 0],  # -> 0
+            [5, 1, 0],  # 0 masked -> 1
+            [9, 0, 0],  # 0, 1 masked -> 2, then reset
+            [0, 0, 7],  # -> 2
+            [0, 3, 1],  # -> 1
+            [0, 9, 0],  # 1, 2 masked -> 0
+        ]
+    )
+    assert schedule_by_scores(scores).tolist() == [0, 1, 2, 2, 1, 0]
+    # Ties go to the lowest free device id.
+    assert schedule_by_scores(np.zeros((4, 3))).tolist() == [0, 1, 2, 0]
+
+
+def test_weighting_by_confidence_or_count_and_unknown_tokens():
+    t2d = np.array([[0, 0, 1]])
+    conf = np.array([[0.5, 0.25, 0.9]])
+    tables = make_tables(np.arange(4)[None], 2, token_to_device=t2d, token_confidence=conf)
+    req = [np.array([0, 1, 2, -1, 2])]
+    np.testing.assert_allclose(request_device_scores(req, tables), [[0.75, 1.8]], rtol=1e-3)
+    assert request_device_scores(req, tables, weighting="count").tolist() == [[2, 2]]
+
+
+def test_layers_are_summed_when_asked():
+    tables = split_tables(num_layers=3)
+    assert request_device_scores([[0, 9]], tables, layer=None).tolist() == [[3, 3]]
+    assert request_device_scores([[0, 9]], tables, layer=[0, 2]).tolist() == [[2, 2]]
+
+
+def test_report_on_token_sequences():
+    tables = split_tables()
+    requests = [[0, 1, 2], [5, 6], [7, 8, 9], [3, 4]]
+    rep = evaluate_schedule(requests, tables, dp_size=2)
+    assert rep.affinity == 1.0
+    assert rep.affinity_round_robin == 0.5  # 3 + 2 of 10 scored tokens land on their device
+    assert rep.lar is None and rep.lar_round_robin is None
+    assert rep.token_imbalance == 1.0  # 5 and 5 tokens
+    assert rep.token_imbalance_round_robin == pytest.approx(6 / 5)  # 6 and 4 tokens
+    assert rep.to_dict()["num_tokens"] == 10
+
+
+def test_report_on_a_trace_measures_realised_lar(tmp_path):
+    # 4 requests; each token is routed (top-2, 1 layer) to experts of "its" device:
+    # low tokens to experts {0, 1} (device 0), high tokens to {4, 5} (device 1), except
+    # the last token of request 2, routed to {0, 4} (one expert local on either device).
+    meta = TraceMeta(
+        model="test/sched", num_layers=1, num_experts=8, top_k=2, vocab_size=V,
+        moe_layer_indices=(0,), source="tests",
+    )  # fmt: skip
+    requests = [[0, 1, 2], [5, 6], [7, 8, 9], [3, 4]]
+    rid, pos, tok, experts = [], [], [], []
+    for r, seq in enumerate(requests):
+        for p, t in enumerate(seq):
+            rid.append(r * 10 + 7)  # arbitrary ids: order of first appearance matters
+            pos.append(p)
+            tok.append(t)
+            experts.append([[0, 1]] if t < 5 else [[4, 5]])
+    experts[7] = [[0, 4]]
+    # Interleave requests 0 and 1 to check per-request accumulation.
+    order = [0, 3, 1, 4, 2, 5, 6, 7, 8, 9]
+    batch = TraceBatch.from_arrays(
+        np.array(rid)[order], np.array(pos)[order], np.array(tok)[order],
+        np.array(experts)[order], np.full((10, 1, 2), 0.5),
+    )  # fmt: skip
+    path = write_trace(tmp_path / "t.parquet", meta, batch)
+    rep = evaluate_schedule(path, split_tables(), dp_size=2, batch_rows=3)
+    assert rep.num_requests == 4 and rep.num_tokens == 10
+    assert rep.affinity == 1.0 and rep.affinity_round_robin == 0.5
+    # Scheduled [0, 1, 1, 0]: all 20 activations local but one -> 19/20.
+    assert rep.lar == pytest.approx(19 / 20)
+    # Round-robin [0, 1, 0, 1]: requests 0, 1 local (10), request 2 on device 0 gets 1 of
+    # 6, request 3 on device 1 gets 0 of 4 -> 11/20.
+    assert rep.lar_round_robin == pytest.approx(11 / 20)
+
+
+def test_errors():
+    tables = split_tables()
+    with pytest.raises(MismatchError, match="dp_size=3"):
+        schedule_requests([[0]], tables, dp_size=3)
+    with pytest.raises(InputError, match="layer=5"):
+        schedule_requests([[0]], tables, dp_size=2, layer=5)
+    with pytest.raises(InputError, match="token id 10 outside"):
+        schedule_requests([[10]], tables, dp_size=2)
+    with pytest.raises(InputError, match="weighting"):
+        request_device_scores([[0]], tables, weighting="tf-idf")
+    assert schedule_requests([], tables, dp_size=2).shape == (0,)

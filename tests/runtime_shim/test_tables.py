@@ -1,0 +1,328 @@
+"""Runtime tables: load a bundle into torch, Algorithm 2's online choice, the capacity rule.
+
+The vectorised code is checked against golden hand cases and against plain Python loops
+that follow DESIGN.md word for word.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.errors import InfeasibleError, InputError
+from planner.export import Bundle, save_bundle
+from planner.runtime_shim import PlanTables, load_bundle
+from planner.runtime_shim.tables import (
+    assign_with_capacity,
+    balanced_capacity,
+    ngram_row_index,
+    online_choice,
+)
+from planner.trace import TraceMeta
+
+META = TraceMeta(model="test/rt", num_layers=4, num_experts=8, top_k=2, vocab_size=20)
+
+
+def random_bundle(seed: int = 0, ep_size: int = 4, order: int = 2, meta: TraceMeta = META):
+    rng = np.random.default_rng(seed)
+    big_l, n, v = meta.num_layers, meta.num_experts, meta.vocab_size
+    cols = ep_size**order
+    ngram_conf = rng.random((big_l, cols))
+    ngram_conf[:order] = 0
+    return Bundle.from_arrays(
+        meta,
+        ep_size=ep_size,
+        expert_to_device=np.stack([rng.permutation(n) % ep_size for _ in range(big_l)]),
+        token_to_device=rng.integers(0, ep_size, (big_l, v)),
+        # Coarse values so that ties between the two tables happen.
+        token_confidence=rng.integers(0, 5, (big_l, v)) / 4,
+        ngram_to_device=rng.integers(0, ep_size, (big_l, cols)),
+        ngram_confidence=rng.integers(0, 5, (big_l, cols)) / 4 * (ngram_conf > 0),
+        ngram_order=order,
+    )
+
+
+@pytest.fixture
+def tables(tmp_path) -> PlanTables:
+    return load_bundle(save_bundle(random_bundle(), tmp_path / "b"))
+
+
+# ---------------------------------------------------------------------------------------
+# Reference implementations (loops over tokens)
+
+
+def reference_choice(b: Bundle, token_ids, layer, prev):
+    e, n = b.ep_size, b.ngram_order
+    devices, confs = [], []
+    for t, tok in enumerate(token_ids):
+        dev, conf = int(b.token_to_device[layer, tok]), float(b.token_confidence[layer, tok])
+        if prev is not None and layer >= n:
+            row = 0
+            for j in range(n):  # layer l-n+j, most recent (j = n-1) least significant
+                row = row * e + int(b.expert_to_device[layer - n + j, prev[t][j]])
+            ndev, nconf = int(b.ngram_to_device[layer, row]), float(b.ngram_confidence[layer, row])
+            if nconf > conf:
+                dev, conf = ndev, nconf
+        devices.append(dev)
+        confs.append(conf)
+    return devices, confs
+
+
+def reference_capacity(devices, confs, capacity, num_devices):
+    t = len(devices)
+    out = list(devices)
+    load = [0] * num_devices
+    order = sorted(range(t), key=lambda i: (-confs[i], i))  # most confident first
+    overflow = []
+    for i in order:
+        if load[devices[i]] < capacity:
+            load[devices[i]] += 1
+        else:
+            overflow.append(i)
+    for i in overflow:  # least-loaded device with room, lowest id on ties
+        d = min((d for d in range(num_devices) if load[d] < capacity), key=lambda d: (load[d], d))
+        out[i] = d
+        load[d] += 1
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Loading
+
+
+def test_load_bundle_keeps_tables_exact(tmp_path):
+    bundle = random_bundle(seed=4)
+    tables = load_bundle(save_bundle(bundle, tmp_path / "b"), device="cpu")
+    for name, arr in bundle.tables().items():
+        tensor = getattr(tables, name)
+        assert tensor.dtype == {"int16": torch.int16, "float16": torch.float16}[str(arr.dtype)]
+        np.testing.assert_array_equal(tensor.numpy(), arr)
+    assert (tables.ep_size, tables.ngram_order, tables.num_layers) == (4, 2, 4)
+    assert (tables.num_experts, tables.vocab_size) == (8, 20)
+    assert tables.manifest["fingerprint"] == META.fingerprint()
+    assert "sha256" in tables.manifest["files"]["tables.safetensors"]  # the one on disk
+    assert tables.device == torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------
+# Golden cases
+
+
+def hand_tables() -> PlanTables:
+    """E = 2, n = 1, L = 2, N = 4, V = 4, small enough to check by hand."""
+    meta = TraceMeta(model="test/hand-rt", num_layers=2, num_experts=4, top_k=1, vocab_size=4)
+    bundle = Bundle.from_arrays(
+        meta,
+        ep_size=2,
+        expert_to_device=[[0, 0, 1, 1], [0, 1, 0, 1]],
+        token_to_device=[[0, 1, 0, 1], [1, 1, 0, 0]],
+        token_confidence=[[0.5, 0.5, 0.5, 0.5], [0.25, 0.5, 0.75, 1.0]],
+        ngram_to_device=[[0, 0], [0, 1]],  # layer 1: device of prev expert kept
+        ngram_confidence=[[0, 0], [0.5, 0.5]],
+        ngram_order=1,
+    )
+    return PlanTables.from_bundle(bundle)
+
+
+def test_route_golden():
+    t = hand_tables()
+    ids = torch.tensor([0, 1, 2, 3])
+    # Layer 0 < n: the token table alone, even when previous experts are given.
+    assert t.route(ids, 0).tolist() == [0, 1, 0, 1]
+    assert t.route(ids, 0, torch.tensor([[2], [2], [2], [2]])).tolist() == [0, 1, 0, 1]
+    # Layer 1 without history: token table.
+    assert t.route(ids, 1).tolist() == [1, 1, 0, 0]
+    # Layer 1 with history: previous top-1 experts 0, 3, 3, 0 at layer 0 -> devices
+    # 0, 1, 1, 0 -> n-gram rows 0, 1, 1, 0 -> n-gram devices 0, 1, 1, 0, confidence 0.5.
+    # Token confidences 0.25, 0.5, 0.75, 1.0: only token 0 is strictly less confident.
+    prev = torch.tensor([[0], [3], [3], [0]])
+    assert t.route(ids, 1, prev).tolist() == [0, 1, 0, 0]
+    dev, conf = t.choose(ids, 1, prev)
+    assert conf.tolist() == [0.5, 0.5, 0.75, 1.0]
+
+
+def test_ngram_row_most_recent_layer_is_least_significant():
+    assert ngram_row_index(torch.tensor([[1, 2], [2, 1]]), 4).tolist() == [1 * 4 + 2, 2 * 4 + 1]
+    assert ngram_row_index(np.array([[1, 0, 3]]), 2).tolist() == [1 * 4 + 0 * 2 + 3]
+
+
+def test_route_with_two_layers_of_history():
+    meta = TraceMeta(model="test/n2", num_layers=3, num_experts=4, top_k=1, vocab_size=2)
+    ngram_dev = np.zeros((3, 4), int)
+    ngram_conf = np.zeros((3, 4))
+    ngram_dev[2] = [0, 1, 0, 1]  # row = 2 * d(l-2) + d(l-1): predicts d(l-1)
+    ngram_conf[2] = 1.0
+    bundle = Bundle.from_arrays(
+        meta, ep_size=2, expert_to_device=[[0, 0, 1, 1], [0, 1, 0, 1], [0, 0, 1, 1]],
+        token_to_device=np.zeros((3, 2), int), token_confidence=np.full((3, 2), 0.5),
+        ngram_to_device=ngram_dev, ngram_confidence=ngram_conf, ngram_order=2,
+    )  # fmt: skip
+    t = PlanTables.from_bundle(bundle)
+    # Layer 2 looks at layers 0 and 1. prev experts [2, 1]: devices [1, 1] -> row 3 -> dev 1.
+    # prev [3, 2]: devices [1, 0] -> row 2 -> dev 0.
+    prev = torch.tensor([[2, 1], [3, 2]])
+    assert t.route(torch.tensor([0, 1]), 2, prev).tolist() == [1, 0]
+    assert t.route(torch.tensor([0, 1]), 1, prev).tolist() == [0, 0]  # l < n
+
+
+def test_capacity_golden():
+    # 6 tokens, 3 devices, capacity 2. Device 0 wants 5 tokens.
+    device = [0, 0, 0, 0, 0, 2]
+    conf = [0.1, 0.9, 0.5, 0.9, 0.3, 1.0]
+    # Keep the two most confident on device 0: tokens 1 and 3 (tie at 0.9, order kept).
+    # Overflow, most confident first: 2 (0.5), 4 (0.3), 0 (0.1). Loads: d0=2, d1=0, d2=1.
+    # Token 2 -> d1 (load 0); token 4 -> d1 or d2 both at 1 -> d1 (lower id); token 0 -> d2.
+    out = assign_with_capacity(np.array(device), np.array(conf), 2, 3)
+    assert isinstance(out, np.ndarray)
+    assert out.tolist() == [2, 0, 1, 0, 1, 2]
+    assert out.tolist() == reference_capacity(device, conf, 2, 3)
+    # Nothing overflows: unchanged.
+    assert assign_with_capacity(torch.tensor([0, 1, 2]), torch.ones(3), 1, 3).tolist() == [0, 1, 2]
+
+
+def test_route_with_capacity_keeps_most_confident():
+    t = hand_tables()
+    ids = torch.tensor([3, 2, 1, 0])  # layer 1 token table: devices 0, 0, 1, 1
+    # confidences 1.0, 0.75, 0.5, 0.25; capacity 1 per device... with 2 devices only 2 fit.
+    with pytest.raises(InfeasibleError, match="raise the capacity to at least 2"):
+        t.route(ids, 1, max_tokens_per_device=1)
+    ids = torch.tensor([3, 2, 0])  # devices 0, 0, 1, conf 1.0, 0.75, 0.25
+    assert t.route(ids, 1, max_tokens_per_device=2).tolist() == [0, 0, 1]
+    ids = torch.tensor([2, 3, 2])  # all on device 0, conf 0.75, 1.0, 0.75
+    assert t.route(ids, 1, max_tokens_per_device=2).tolist() == [0, 0, 1]
+
+
+def test_capacity_refuses_bad_arguments():
+    with pytest.raises(InputError, match="device id 3 outside"):
+        assign_with_capacity(np.array([0, 3]), np.zeros(2), 2, 3)
+    with pytest.raises(InputError, match="must both be"):
+        assign_with_capacity(np.array([0, 1]), np.zeros(3), 2, 3)
+    with pytest.raises(InputError, match="must be integers"):
+        assign_with_capacity(np.array([0.0]), np.zeros(1), 2, 3)
+
+
+def test_balanced_capacity_is_exact():
+    assert balanced_capacity(4096, 8) == 564  # ceil(563.2)
+    assert balanced_capacity(80, 8) == 11  # 1.1 * 80 / 8 is exactly 11
+    assert balanced_capacity(4096, 32) == 141
+    assert balanced_capacity(0, 8) == 0
+    with pytest.raises(InputError):
+        balanced_capacity(10, 0)
+
+
+# ---------------------------------------------------------------------------------------
+# Vectorised == loops
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_route_equals_reference_loop(seed, tmp_path):
+    bundle = random_bundle(seed=seed, ep_size=4 if seed % 2 else 2, order=1 + seed % 2)
+    tables = PlanTables.from_bundle(bundle)
+    rng = np.random.default_rng(100 + seed)
+    t = 50
+    ids = rng.integers(0, META.vocab_size, t)
+    prev = rng.integers(0, META.num_experts, (t, bundle.ngram_order))
+    for layer in range(META.num_layers):
+        for history in (None, prev):
+            want_dev, want_conf = reference_choice(bundle, ids, layer, history)
+            h = None if history is None else torch.from_numpy(history)
+            dev, conf = tables.choose(torch.from_numpy(ids), layer, h)
+            assert dev.dtype == torch.int64
+            assert dev.tolist() == want_dev
+            np.testing.assert_allclose(conf.numpy(), want_conf)
+            cap = balanced_capacity(t, bundle.ep_size)
+            got = tables.route(torch.from_numpy(ids), layer, h, max_tokens_per_device=cap)
+            assert got.tolist() == reference_capacity(want_dev, want_conf, cap, bundle.ep_size)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_capacity_rows_equal_reference_loop(seed):
+    rng = np.random.default_rng(seed)
+    rows, t, e = 7, 40, 5
+    device = rng.integers(0, e, (rows, t))
+    device[0] = 0  # one row with everything on one device
+    conf = rng.integers(0, 4, (rows, t)) / 3  # many ties
+    cap = int(rng.integers(8, 12))
+    out = assign_with_capacity(device, conf, cap, e)
+    assert out.shape == (rows, t)
+    for r in range(rows):
+        assert out[r].tolist() == reference_capacity(device[r].tolist(), conf[r].tolist(), cap, e)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 6).flatmap(
+        lambda e: st.tuples(
+            st.just(e),
+            st.lists(st.tuples(st.integers(0, e - 1), st.floats(0, 1)), min_size=1, max_size=60),
+            st.integers(0, 5),
+        )
+    )
+)
+def test_capacity_invariants(case):
+    e, tokens, extra = case
+    device = np.array([d for d, _ in tokens])
+    conf = np.array([c for _, c in tokens], np.float32)
+    cap = -(-len(tokens) // e) + extra  # feasible
+    out = assign_with_capacity(device, conf, cap, e)
+    counts = np.bincount(out, minlength=e)
+    assert counts.max() <= cap
+    wanted = np.bincount(device, minlength=e)
+    for d in range(e):  # devices within capacity lose nobody
+        if wanted[d] <= cap:
+            assert (out[device == d] == d).all()
+        else:  # a full device keeps exactly cap of its own, the most confident ones
+            mine = np.flatnonzero(device == d)
+            kept = mine[out[mine] == d]
+            assert kept.size == cap
+            assert conf[kept].min() >= conf[np.setdiff1d(mine, kept)].max()
+
+
+def test_online_choice_numpy_and_ties():
+    dev, conf = online_choice(
+        np.array([0, 1, 2]), np.array([0.5, 0.5, 0.5], np.float16),
+        np.array([3, 3, 3]), np.array([0.25, 0.5, 0.75], np.float16),
+    )  # fmt: skip
+    assert isinstance(dev, np.ndarray)
+    assert dev.tolist() == [0, 1, 3]  # the n-gram table only where strictly more confident
+    assert conf.tolist() == [0.5, 0.5, 0.75]
+
+
+# ---------------------------------------------------------------------------------------
+# Argument checks
+
+
+def test_route_refuses_bad_arguments(tables):
+    ids = torch.tensor([0, 1])
+    with pytest.raises(InputError, match="layer=4 outside"):
+        tables.route(ids, 4)
+    with pytest.raises(InputError, match="token id 20 outside"):
+        tables.route(torch.tensor([0, 20]), 0)
+    with pytest.raises(InputError, match="token id -1 outside"):
+        tables.route(torch.tensor([-1]), 0)
+    with pytest.raises(InputError, match=r"prev_top1_experts must be \[T, n\] = \[2, 2\]"):
+        tables.route(ids, 2, torch.zeros((2, 1), dtype=torch.long))
+    with pytest.raises(InputError, match="expert 8, outside"):
+        tables.route(ids, 2, torch.full((2, 2), 8))
+    with pytest.raises(InputError, match="must hold integers"):
+        tables.route(torch.tensor([0.0]), 0)
+    assert tables.route(torch.empty(0, dtype=torch.long), 3).shape == (0,)
+
+
+@pytest.mark.gpu
+def test_route_on_cuda_matches_cpu(tables):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    gpu = tables.to("cuda")
+    rng = np.random.default_rng(0)
+    ids = torch.from_numpy(rng.integers(0, META.vocab_size, 4096))
+    prev = torch.from_numpy(rng.integers(0, META.num_experts, (4096, 2)))
+    cap = balanced_capacity(4096, 4)
+    for layer in range(META.num_layers):
+        want = tables.route(ids, layer, prev, cap)
+        got = gpu.route(ids.cuda(), layer, prev.cuda(), cap)
+        assert got.device.type == "cuda"
+        assert got.cpu().tolist() == want.tolist()
