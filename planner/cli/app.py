@@ -21,5 +21,7 @@ trace_app = typer.Typer(
 app.add_typer(trace_app, name="trace")
 
 # Summaries go to stdout; progress bars and warnings to stderr.
-console = Console()
+# Piped output (CI logs, `| tee`) gets a wide fixed width instead of rich's 80 columns, so
+# tables are not truncated.
+console = Console() if Console().is_terminal else Console(width=160)
 err_console = Console(stderr=True)

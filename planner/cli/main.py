@@ -6,7 +6,10 @@ import sys
 
 import typer
 
+from planner.cli import export as _export  # noqa: F401
+
 # Importing the command modules registers their commands on the apps.
+from planner.cli import fit as _fit  # noqa: F401
 from planner.cli import profile as _profile  # noqa: F401
 from planner.cli import trace as _trace  # noqa: F401
 from planner.cli.app import app

@@ -1,0 +1,167 @@
+"""Throughput and peak memory of ``moeplan fit`` at DeepSeek-V3's routing shape; prints JSON.
+
+Shape: 58 MoE layers, 256 experts, top-8, vocabulary 129280 (``planner.trace.synth``'s
+``DEEPSEEK_V3`` preset), ``--tokens`` token occurrences (default 200k = 92.8M routed
+activations), written once as a synthetic trace (or ``--trace`` to reuse one).
+
+Each repeat runs in a fresh child process so that its peak RSS (VmHWM) is the fit's own;
+``baseline_rss_mib`` is the child's peak before the measured work (imports; for
+``accumulate`` also the batches held in memory):
+
+* ``fit``: :func:`planner.predict.fit.fit_predictor` with no hold-out, i.e. one streaming
+  pass over the Parquet parts (read, count, top-1 transitions) and the table fit;
+  ``pass_s`` is the streaming pass, ``total_s`` adds the table fit.
+* ``accumulate``: the counting alone (:class:`CountsAccumulator` and
+  :class:`TransitionAccumulator`) on batches already in memory: the hot path without I/O.
+
+Throughput is routed activations (tokens x layers x k) per second, best (minimum time)
+and median over repeats. The target of the issue is 20M activations/s on a 2-core
+machine; the machine's load average is recorded because other processes skew timings.
+
+    python benchmarks/fit_throughput.py [--tokens 200000] [--repeats 3] [--trace DIR] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TARGET = 20e6  # routed activations per second
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set size (VmHWM: unlike ru_maxrss it is not inherited
+    from the parent across fork and exec)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def child(mode: str, trace: str) -> dict:
+    """One measurement in this (fresh) process; returns timings and peak RSS."""
+    from planner.predict.counts import CountsAccumulator
+    from planner.predict.fit import FitConfig, fit_predictor, routing_rows
+    from planner.predict.ngram import TransitionAccumulator
+    from planner.trace.io import open_trace
+
+    base_rss = peak_rss_mib()
+    if mode == "fit":
+        t0 = time.perf_counter()
+        result = fit_predictor(trace, FitConfig())
+        total = time.perf_counter() - t0
+        info = result.predictor.fit_info
+        aff = result.predictor.affinity
+        out = {
+            "pass_s": info["pass_seconds"],
+            "total_s": round(total, 3),
+            "activations": info["activations"],
+            "nnz": int(sum(c.nnz for c in aff.counts_)),
+            "transition_tuples": int(result.predictor.transitions.keys.shape[0]),
+            "distinct_tokens": info["distinct_tokens"],
+        }
+    else:
+        t = open_trace(trace)
+        rows = list(routing_rows(t, 65536))
+        base_rss = peak_rss_mib()
+        t0 = time.perf_counter()
+        acc = CountsAccumulator(t.meta)
+        trans = TransitionAccumulator(t.meta.num_layers, t.meta.num_experts)
+        for r in rows:
+            acc.add(r.token_id, r.experts)
+            trans.add(r.experts)
+        acc.result()
+        trans.result()
+        elapsed = time.perf_counter() - t0
+        out = {"pass_s": round(elapsed, 3), "activations": int(sum(r.experts.size for r in rows))}
+    return out | {"peak_rss_mib": peak_rss_mib(), "baseline_rss_mib": base_rss}
+
+
+def measure(mode: str, trace: str, repeats: int) -> dict:
+    runs = []
+    for _ in range(repeats):
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", mode, "--trace", trace],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        runs.append(json.loads(proc.stdout))
+    times = [r["pass_s"] for r in runs]
+    acts = runs[0]["activations"]
+    out = {k: v for k, v in runs[0].items() if k not in ("pass_s", "total_s", "peak_rss_mib")}
+    out |= {
+        "pass_s": times,
+        "activations_per_s_best": round(acts / min(times)),
+        "activations_per_s_median": round(acts / statistics.median(times)),
+        "peak_rss_mib": max(r["peak_rss_mib"] for r in runs),
+    }
+    if "total_s" in runs[0]:
+        out["total_s"] = [r["total_s"] for r in runs]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=200_000)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--trace", help="reuse this DeepSeek-V3-shaped trace instead of synthesising")
+    ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--child", choices=["fit", "accumulate"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.trace)))
+        return
+
+    from planner.trace.synth import DEEPSEEK_V3, synthesize
+
+    with tempfile.TemporaryDirectory(prefix="fit-bench-") as tmp:
+        trace = args.trace
+        synth_s = None
+        if trace is None:
+            trace = str(Path(tmp) / "trace")
+            config = dataclasses.replace(
+                DEEPSEEK_V3, num_tokens=args.tokens, num_requests=max(args.tokens // 500, 2)
+            )
+            t0 = time.perf_counter()
+            synthesize(config, trace)
+            synth_s = round(time.perf_counter() - t0, 2)
+        from planner.trace.io import open_trace
+
+        meta = open_trace(trace).meta
+        result = {
+            "shape": {
+                "num_layers": meta.num_layers,
+                "num_experts": meta.num_experts,
+                "top_k": meta.top_k,
+                "vocab_size": meta.vocab_size,
+            },  # fmt: skip
+            "tokens": open_trace(trace).num_rows,
+            "synthesis_s": synth_s,
+            "cpu_count": os.cpu_count(),
+            "load_average_before": [round(x, 2) for x in os.getloadavg()],
+            "fit": measure("fit", trace, args.repeats),
+            "accumulate": measure("accumulate", trace, args.repeats),
+            "load_average_after": [round(x, 2) for x in os.getloadavg()],
+            "target_activations_per_s": TARGET,
+        }
+        result["target_met_end_to_end"] = result["fit"]["activations_per_s_best"] >= TARGET
+        result["target_met_accumulate"] = result["accumulate"]["activations_per_s_best"] >= TARGET
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

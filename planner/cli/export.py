@@ -1,0 +1,173 @@
+"""``moeplan export`` and ``moeplan evaluate``: bundles, engine files and held-out metrics."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from planner.cli.app import app, console
+from planner.errors import InputError, SchemaError
+from planner.evaluate import EvalConfig, evaluate_bundle
+from planner.export import FORMATS, export_plan, load_bundle_arrays, verify_bundle
+from planner.export.engines import get_format
+from planner.trace import open_trace
+
+ALL_FORMATS = ("moeplan", *FORMATS)
+
+
+def _parse_formats(text: str) -> list[str]:
+    names = [f.strip() for f in text.split(",") if f.strip()]
+    bad = [n for n in names if n not in ALL_FORMATS]
+    if bad or not names:
+        raise InputError(
+            f"unknown --format {','.join(bad) or text!r}; choose from {', '.join(ALL_FORMATS)}"
+        )
+    return names
+
+
+def _verify_table(report: dict) -> Table:
+    table = Table(title=f"bundle {report['path']}", show_header=False, title_justify="left")
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    table.add_row(
+        "verified",
+        "[green]ok[/green]" if report["ok"] else f"[red]FAILED[/red] {report['error'] or ''}",
+    )
+    if report.get("model"):
+        m = report["model"]
+        table.add_row(
+            "model",
+            f"{m['model']} (L={m['num_layers']}, N={m['num_experts']}, k={m['top_k']}, V={m['vocab_size']})",
+        )
+        table.add_row("ep_size / ngram_order", f"{report['ep_size']} / {report['ngram_order']}")
+        table.add_row("method", str(report.get("method")))
+        for name, size in report["sizes"]["files"].items():
+            table.add_row(f"  {name}", f"{size / 1e6:.3f} MB")
+        bad = [row for row in report["layers"] if not row["ok"]]
+        table.add_row("layers", f"{len(report['layers'])} checked, {len(bad)} with problems")
+    return table
+
+
+@app.command("export")
+def export(
+    plan: str = typer.Argument(
+        ..., help="Plan directory (from `moeplan solve`) or bundle to export or verify."
+    ),
+    out: str = typer.Option(
+        None, "--out", help="Bundle directory to write (or a single engine file)."
+    ),
+    formats: str = typer.Option(
+        "moeplan", "--format", help=f"Comma-separated formats: {', '.join(ALL_FORMATS)}."
+    ),
+    num_model_layers: int = typer.Option(
+        None,
+        "--num-model-layers",
+        help="Decoder layers incl. dense ones (engine files indexed by model layer).",
+    ),
+    verify: bool = typer.Option(
+        False, "--verify", help="Only verify PLAN as a bundle and describe it."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+) -> None:
+    """Write a plan as a moeplan bundle (int16 tables) and/or serving-engine placement files.
+
+    With `moeplan` among the formats, OUT is a bundle directory that also holds each engine
+    file. With a single engine format alone, OUT is that one file.
+    """
+    if verify:
+        report = verify_bundle(plan)
+        console.print_json(json.dumps(report)) if as_json else console.print(_verify_table(report))
+        if not report["ok"]:
+            raise SchemaError(
+                report["error"] or "bundle failed verification (see the layers above)"
+            )
+        return
+    if not out:
+        raise InputError("--out is required (or pass --verify to check a bundle)")
+    names = _parse_formats(formats)
+    bundle = load_bundle_arrays(plan)
+    engines = [n for n in names if n != "moeplan"]
+    if "moeplan" not in names and len(engines) == 1:
+        from planner._io import write_bytes_atomic
+        from planner.export.engines import EnginePlacement
+
+        fmt = get_format(engines[0])
+        text = fmt.render(EnginePlacement.from_bundle(bundle, num_model_layers))
+        write_bytes_atomic(out, text.encode())
+        result = {"path": out, "format": fmt.name, "usage": fmt.usage}
+        console.print_json(json.dumps(result)) if as_json else console.print(
+            f"wrote {fmt.name} placement to {out}\n  use it with: {fmt.usage}"
+        )
+        return
+    if Path(out).exists() and not Path(out).is_dir():
+        raise InputError(f"--out {out} exists and is a file; a bundle is a directory")
+    result = export_plan(bundle, out, engines=engines, num_model_layers=num_model_layers)
+    if as_json:
+        console.print_json(json.dumps(result))
+        return
+    console.print(_verify_table(result["verify"]))
+    for name, info in result["engines"].items():
+        console.print(f"{name}: {info['file']}\n  use it with: {info['usage']}")
+    if not result["verify"]["ok"]:
+        raise SchemaError(result["verify"]["error"] or "written bundle failed verification")
+
+
+def metrics_table(report: dict, title: str) -> Table:
+    """Per-layer and overall LAR table of :func:`planner.evaluate.evaluate_bundle`."""
+    cols = [
+        ("lar_balanced", "LAR bal."), ("lar", "LAR"), ("lar_token", "token"), ("lar_ngram", "n-gram"),
+        ("lar_vanilla", "vanilla"), ("oracle_bound", "bound"), ("token_imbalance_balanced", "tok.imb."),
+        ("expert_load_imbalance", "exp.imb."), ("remote_fraction", "remote"),
+    ]  # fmt: skip
+    table = Table(title=title, title_justify="left")
+    table.add_column("layer", justify="right")
+    for _, head in cols:
+        table.add_column(head, justify="right")
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    for row in report["per_layer"]:
+        table.add_row(str(row["model_layer"]), *(fmt(row[c]) for c, _ in cols))
+    table.add_row("all", *(fmt(report["overall"][c]) for c, _ in cols), style="bold")
+    return table
+
+
+@app.command("evaluate")
+def evaluate(
+    plan: str = typer.Argument(..., help="Plan or bundle directory."),
+    heldout: str = typer.Argument(..., help="Held-out v1 trace (file or directory)."),
+    batch_tokens: int = typer.Option(
+        4096, "--batch-tokens", help="Tokens per runtime batch for the balanced LAR."
+    ),
+    slack: float = typer.Option(
+        1.1, "--slack", help="Per-batch cap: ceil(slack*B/E) tokens per device."
+    ),
+    hidden_size: int = typer.Option(
+        0, "--hidden-size", help="Hidden size for all-to-all bytes (0: skip)."
+    ),
+    dtype_bytes: int = typer.Option(
+        2, "--dtype-bytes", help="Bytes per hidden element on the wire."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the metrics as JSON."),
+) -> None:
+    """LAR (token, n-gram, online, balanced, vanilla), imbalance, remote traffic and the oracle bound."""
+    if batch_tokens <= 0 or slack < 1 or hidden_size < 0 or dtype_bytes <= 0:
+        raise InputError(
+            "--batch-tokens must be > 0, --slack >= 1, --hidden-size >= 0, --dtype-bytes > 0"
+        )
+    bundle = load_bundle_arrays(plan)
+    report = evaluate_bundle(
+        bundle, open_trace(heldout), EvalConfig(batch_tokens, slack, hidden_size, dtype_bytes)
+    )
+    if as_json:
+        console.print_json(json.dumps(report))
+        return
+    console.print(
+        metrics_table(report, f"{plan} on {heldout} (EP {bundle.ep_size}, method {bundle.method})")
+    )
+    ov = report["overall"]
+    if ov.get("all_to_all_bytes") is not None:
+        console.print(
+            f"all-to-all: {ov['all_to_all_bytes'] / 1e6:.1f} MB vs vanilla {ov['all_to_all_bytes_vanilla'] / 1e6:.1f} MB"
+        )

@@ -1,0 +1,99 @@
+"""``moeplan fit``: fit the routing predictors on a trace or counts table, report held-out."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from planner.cli.app import app, console
+from planner.errors import InputError
+
+
+def _csv(value: str | None) -> tuple[str, ...]:
+    return tuple(v.strip() for v in value.split(",") if v.strip()) if value else ()
+
+
+@app.command("fit")
+def fit(
+    trace: str = typer.Argument(
+        ..., help="v1 trace (file or directory of part-*.parquet) or a token-expert counts table."
+    ),
+    out: str = typer.Option(..., "--out", "-o", help="Predictor directory to write."),
+    holdout: float | None = typer.Option(
+        None,
+        "--holdout",
+        help="Hold out this fraction (requests of a trace; activations of a counts table, by "
+        "binomial thinning) and report on it. The papers fit on 20% and test on 80%: 0.8.",
+    ),
+    embeddings: str | None = typer.Option(
+        None,
+        "--embeddings",
+        help="Input embeddings [V, d] (.npy or .safetensors) for the nearest-token fallback of "
+        "unseen tokens. Default: the trace directory's embeddings.safetensors if present.",
+    ),
+    no_embeddings: bool = typer.Option(
+        False, "--no-embeddings", help="Do not use embeddings found next to the trace."
+    ),
+    neural: bool = typer.Option(False, "--neural", help="Also train the small neural predictor."),
+    neural_budget: float = typer.Option(
+        60.0, "--neural-budget", help="Neural predictor training budget in seconds."
+    ),
+    seed: int = typer.Option(0, "--seed", help="Seed of the split and the neural predictor."),
+    model: str | None = typer.Option(
+        None, "--model", help="Counts tables: model to read (substring match)."
+    ),
+    domain: str | None = typer.Option(
+        None, "--domain", help="Counts tables: comma-separated domains to fit on (default all)."
+    ),
+    eval_domain: str | None = typer.Option(
+        None, "--eval-domain", help="Counts tables: comma-separated domains to report on."
+    ),
+    num_experts: int | None = typer.Option(None, "--num-experts", help="Counts tables: N."),
+    top_k: int | None = typer.Option(None, "--top-k", help="Counts tables: k."),
+    vocab_size: int | None = typer.Option(None, "--vocab-size", help="Counts tables: V."),
+    ep_size: int = typer.Option(
+        8, "--ep-size", help="Devices of the contiguous placement used for the n-gram figure."
+    ),
+    ngram_order: int = typer.Option(2, "--ngram-order", help="n of the n-gram figure (1-3)."),
+    batch_rows: int = typer.Option(65536, "--batch-rows", help="Trace rows per chunk."),
+    as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
+) -> None:
+    """Fit token->expert, distribution-only (and neural) predictors; report held-out figures.
+
+    With --holdout the saved predictor is the one evaluated (fitted on the rest); fit again
+    without --holdout to use all the data.
+    """
+    from planner.predict.counts import CountsSelection
+    from planner.predict.fit import FitConfig, fit_predictor
+    from planner.predict.neural import NeuralConfig
+    from planner.predict.predictor import check_destination
+    from planner.predict.report import render_fit_summary, render_report
+
+    if not Path(trace).exists():
+        raise InputError(f"{trace}: no such trace or counts file")
+    check_destination(out)
+    config = FitConfig(
+        holdout=holdout,
+        seed=seed,
+        embeddings=embeddings,
+        auto_embeddings=not no_embeddings,
+        neural=neural,
+        neural_config=NeuralConfig(time_budget_s=neural_budget),
+        ep_size=ep_size,
+        ngram_order=ngram_order,
+        batch_rows=batch_rows,
+        counts=CountsSelection(model, _csv(domain), num_experts, top_k, vocab_size),
+        eval_domains=_csv(eval_domain),
+        progress=not as_json,
+    )
+    result = fit_predictor(trace, config)
+    result.predictor.save(out)
+    fit_info = result.predictor.fit_info
+    if as_json:
+        console.print_json(json.dumps({"predictor": out, "fit": fit_info, "report": result.report}))
+        return
+    console.print(render_fit_summary(fit_info, out))
+    if result.report is not None:
+        console.print(render_report(result.report))

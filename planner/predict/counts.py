@@ -1,0 +1,494 @@
+"""Token-expert counts: accumulated from traces, or read from a counts table.
+
+The counts ``T[l][j, e]`` = how many times token ``j`` was routed to expert ``e`` at MoE
+layer ``l`` are the raw material of the intra-layer affinity model of Speculative MoE
+(paper 000, §3.3: ``Pr(E_k | x_j) = T_jk / sum_k T_jk``). They are held per layer as a
+``scipy.sparse.csr_array`` of shape [V, N] (int64, canonical: sorted, no duplicates), so
+memory is bounded by the distinct (token, expert) pairs, never by the trace's length.
+
+Two sources:
+
+- :class:`CountsAccumulator` streams trace batches. Its hot path packs (layer, token,
+  expert) into one unsigned integer key, sorts each chunk (numpy's SIMD sort) and
+  run-length reduces it; reduced chunks are merged into the running total with a linear
+  sorted merge.
+- :func:`read_counts_table` reads a counts table: DESIGN.md's schema (``layer`` int16,
+  ``token_id`` int32, ``expert`` int16, ``count`` int64, metadata ``{"schema": "counts"}``),
+  or the OLMoE routing-analysis export in ``../shared/realdata`` (extra ``model`` and
+  ``domain`` columns, ``layer`` = model layer index, no moeplan metadata), filtered by
+  model and domain.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from scipy import sparse
+
+from planner._io import atomic_path
+from planner.errors import InputError, SchemaError
+from planner.trace.schema import (
+    COUNTS_COLUMNS,
+    META_KEY,
+    CountsMeta,
+    TraceMeta,
+    counts_arrow_schema,
+)
+
+# Shapes of models whose counts tables carry no moeplan metadata (the OLMoE export).
+# Matched by substring of the ``model`` column; flags override them.
+KNOWN_MODEL_SHAPES: dict[str, dict[str, int]] = {
+    "OLMoE-1B-7B": {"num_experts": 64, "top_k": 8, "vocab_size": 50304},
+    "Mixtral-8x7B": {"num_experts": 8, "top_k": 2, "vocab_size": 32000},
+}
+
+
+@dataclass(frozen=True)
+class TokenExpertCounts:
+    """Per-layer token-expert routing counts.
+
+    Attributes:
+        meta: model and shapes (L layers, N experts, top-k, V vocab; ``moe_layer_indices``
+            are the model layer indices of the L layers).
+        by_layer: L sparse arrays [V, N] int64; ``by_layer[l][j, e]`` = routed activations
+            of token j to expert e at MoE layer l. Rows sum to k x (occurrences of j).
+        domains: the domains pooled into these counts (counts tables only).
+        top1_by_layer: L sparse arrays [V, N] int64 counting only each occurrence's rank-0
+            (highest gate weight) expert; None when unknown (counts tables).
+    """
+
+    meta: TraceMeta
+    by_layer: tuple[sparse.csr_array, ...]
+    domains: tuple[str, ...] = ()
+    top1_by_layer: tuple[sparse.csr_array, ...] | None = None
+
+    def __post_init__(self) -> None:
+        m = self.meta
+        if (
+            len(self.by_layer) != m.num_layers
+            or len(self.top1_by_layer or self.by_layer) != m.num_layers
+        ):
+            raise SchemaError(
+                f"counts hold {len(self.by_layer)} layers, metadata says {m.num_layers}"
+            )
+        for layer, mat in enumerate(self.by_layer + (self.top1_by_layer or ())):
+            if mat.shape != (m.vocab_size, m.num_experts):
+                raise SchemaError(
+                    f"counts of layer {layer % m.num_layers} have shape {mat.shape}, expected "
+                    f"(vocab_size, num_experts) = ({m.vocab_size}, {m.num_experts})"
+                )
+
+    def load(self) -> np.ndarray:
+        """[L, N] int64 routed activations of each expert (column sums)."""
+        return np.stack([np.asarray(c.sum(axis=0)).ravel() for c in self.by_layer]).astype(np.int64)
+
+    def token_activations(self) -> np.ndarray:
+        """[L, V] int64 routed activations of each token per layer (row sums = k x occurrences)."""
+        return np.stack([np.asarray(c.sum(axis=1)).ravel() for c in self.by_layer]).astype(np.int64)
+
+    def total_activations(self) -> int:
+        return int(sum(int(c.sum()) for c in self.by_layer))
+
+
+def _key_dtype(max_key: int) -> type:
+    return np.uint32 if max_key < 2**32 else np.uint64
+
+
+def _run_length(sorted_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct values of a sorted array and how often each occurs."""
+    n = sorted_keys.shape[0]
+    if n == 0:
+        return sorted_keys, np.zeros(0, np.int64)
+    starts = np.empty(n, bool)
+    starts[0] = True
+    np.not_equal(sorted_keys[1:], sorted_keys[:-1], out=starts[1:])
+    idx = np.flatnonzero(starts)
+    counts = np.empty(idx.shape[0], np.int64)
+    np.subtract(idx[1:], idx[:-1], out=counts[:-1])
+    counts[-1] = n - idx[-1]
+    return sorted_keys[idx], counts
+
+
+def merge_sorted_counts(
+    keys_a: np.ndarray, counts_a: np.ndarray, keys_b: np.ndarray, counts_b: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Sum two (sorted distinct keys, counts) multisets in linear time (no re-sort).
+
+    Assumes validated input: both key arrays sorted, distinct, of the same dtype.
+    """
+    if keys_a.shape[0] == 0:
+        return keys_b, counts_b
+    if keys_b.shape[0] == 0:
+        return keys_a, counts_a
+    pos = np.searchsorted(keys_a, keys_b)
+    hit = pos < keys_a.shape[0]
+    hit[hit] = keys_a[pos[hit]] == keys_b[hit]
+    counts_a = counts_a.copy()
+    counts_a[pos[hit]] += counts_b[hit]  # keys_b distinct, so positions are distinct
+    miss = ~hit
+    if not miss.any():
+        return keys_a, counts_a
+    pos_b = pos[miss]
+    # Output slot of each element: a's shift right by the b-keys inserted before them.
+    shift = np.cumsum(np.bincount(pos_b, minlength=keys_a.shape[0] + 1))[: keys_a.shape[0]]
+    slot_a = np.arange(keys_a.shape[0]) + shift
+    slot_b = pos_b + np.arange(pos_b.shape[0])
+    n = keys_a.shape[0] + pos_b.shape[0]
+    keys = np.empty(n, keys_a.dtype)
+    counts = np.empty(n, np.int64)
+    keys[slot_a] = keys_a
+    keys[slot_b] = keys_b[miss]
+    counts[slot_a] = counts_a
+    counts[slot_b] = counts_b[miss]
+    return keys, counts
+
+
+class SortedKeyCounter:
+    """A multiset of unsigned integer keys, counted by sorting a buffer of raw keys.
+
+    Keys are written into a flat buffer (grown geometrically up to ``capacity``); when it
+    is full, it is sorted in place (numpy's SIMD sort), run-length reduced and merged into
+    the running (sorted distinct keys, counts) total. Memory is the total plus the buffer,
+    whatever the number of keys fed.
+    """
+
+    def __init__(self, dtype: type, capacity: int = 1 << 27):
+        self.dtype = dtype
+        self.capacity = capacity
+        self.keys = np.zeros(0, dtype)
+        self.counts = np.zeros(0, np.int64)
+        self._buffer = np.zeros(0, dtype)
+        self._used = 0
+
+    def reserve(self, n: int) -> np.ndarray:
+        """A writable [n] view of the buffer; every key written there is counted."""
+        if self._used + n > self.capacity:
+            self._flush()
+        need = self._used + n
+        if need > self._buffer.shape[0]:
+            size = min(max(need, 2 * self._buffer.shape[0], 1 << 16), max(self.capacity, need))
+            grown = np.empty(size, self.dtype)
+            grown[: self._used] = self._buffer[: self._used]
+            self._buffer = grown
+        view = self._buffer[self._used : need]
+        self._used = need
+        return view
+
+    def add_keys(self, keys: np.ndarray) -> None:
+        """Count every element of ``keys`` (1-D)."""
+        self.reserve(keys.shape[0])[:] = keys
+
+    def _flush(self) -> None:
+        if self._used == 0:
+            return
+        raw = self._buffer[: self._used]
+        raw.sort()
+        keys, counts = _run_length(raw)
+        self._used = 0
+        if self.keys.shape[0] == 0:
+            self.keys, self.counts = keys.copy(), counts
+        else:
+            self.keys, self.counts = merge_sorted_counts(self.keys, self.counts, keys, counts)
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        """(sorted distinct keys, int64 counts); releases the buffer."""
+        self._flush()
+        self._buffer = np.zeros(0, self.dtype)
+        return self.keys, self.counts
+
+
+class CountsAccumulator:
+    """Accumulates :class:`TokenExpertCounts` from trace batches, in bounded memory.
+
+    Token occurrences with ``token_id == -1`` (unknown) are skipped. Memory is the
+    distinct (layer, token, expert) triples seen plus a buffer of ``buffer_keys`` raw
+    keys (4 bytes each when L * V * N < 2**32, else 8). The rank-0 expert of each
+    occurrence is also counted on its own (``top1_by_layer``), at 1/k of the cost.
+    """
+
+    def __init__(self, meta: TraceMeta, buffer_keys: int = 1 << 27):
+        self.meta = meta
+        m = meta
+        self._dtype = _key_dtype(m.num_layers * m.vocab_size * m.num_experts)
+        self._counter = SortedKeyCounter(self._dtype, buffer_keys)
+        self._top1 = SortedKeyCounter(self._dtype, max(buffer_keys // m.top_k, 1))
+        self.tokens = 0
+        self.unknown_tokens = 0
+
+    def add(self, token_id: np.ndarray, experts: np.ndarray) -> None:
+        """Count one chunk: ``token_id`` [T] int32, ``experts`` [T, L, k] int16 (validated)."""
+        known = token_id >= 0
+        self.tokens += int(token_id.shape[0])
+        if not known.all():
+            self.unknown_tokens += int((~known).sum())
+            token_id, experts = token_id[known], experts[known]
+        t = token_id.shape[0]
+        if t == 0:
+            return
+        m, dt = self.meta, self._dtype
+        # key = (l * V + token) * N + expert, built with as few full-size passes as possible.
+        row = token_id.astype(dt)[:, None] + (np.arange(m.num_layers, dtype=dt) * dt(m.vocab_size))
+        row *= dt(m.num_experts)  # [T, L]
+        slot = self._counter.reserve(t * m.num_layers * m.top_k).reshape(t, m.num_layers, m.top_k)
+        np.add(row[:, :, None], experts, out=slot, casting="unsafe")
+        slot = self._top1.reserve(t * m.num_layers).reshape(t, m.num_layers)
+        np.add(row, experts[:, :, 0], out=slot, casting="unsafe")
+
+    def result(self) -> TokenExpertCounts:
+        return TokenExpertCounts(
+            self.meta,
+            _split_layers(*self._counter.result(), self.meta),
+            top1_by_layer=_split_layers(*self._top1.result(), self.meta),
+        )
+
+
+def _split_layers(
+    keys: np.ndarray, counts: np.ndarray, meta: TraceMeta
+) -> tuple[sparse.csr_array, ...]:
+    """Sorted distinct ``(l * V + j) * N + e`` keys -> L canonical CSR arrays [V, N]."""
+    v, n = meta.vocab_size, meta.num_experts
+    stride = v * n
+    bounds = np.searchsorted(keys, np.arange(meta.num_layers + 1, dtype=np.uint64) * stride)
+    out = []
+    for layer in range(meta.num_layers):
+        lo, hi = int(bounds[layer]), int(bounds[layer + 1])
+        local = keys[lo:hi].astype(np.int64) - layer * stride
+        rows = local // n
+        cols = (local - rows * n).astype(np.int16 if n <= 32767 else np.int32)
+        indptr = np.zeros(v + 1, np.int64)
+        np.cumsum(np.bincount(rows, minlength=v), out=indptr[1:])
+        mat = sparse.csr_array((counts[lo:hi].astype(np.int64), cols, indptr), shape=(v, n))
+        mat.has_canonical_format = True
+        out.append(mat)
+    return tuple(out)
+
+
+def counts_from_triples(
+    meta: TraceMeta, layer: np.ndarray, token_id: np.ndarray, expert: np.ndarray, count: np.ndarray
+) -> TokenExpertCounts:
+    """Counts from (MoE layer index, token, expert, count) rows; duplicates are summed.
+
+    Assumes validated ids: ``0 <= layer < L``, ``0 <= token_id < V``, ``0 <= expert < N``.
+    """
+    v, n = meta.vocab_size, meta.num_experts
+    mats = []
+    for index in range(meta.num_layers):
+        sel = layer == index
+        mat = sparse.coo_array(
+            (
+                count[sel].astype(np.int64),
+                (token_id[sel].astype(np.int64), expert[sel].astype(np.int64)),
+            ),
+            shape=(v, n),
+        ).tocsr()
+        mat.sum_duplicates()
+        mat.sort_indices()
+        mats.append(sparse.csr_array(mat))
+    return TokenExpertCounts(meta, tuple(mats))
+
+
+# ---------------------------------------------------------------------------------------
+# Counts tables on disk.
+
+
+def is_counts_table(path: str | Path) -> bool:
+    """True when ``path`` is a Parquet file with counts columns (layer, token_id, expert, count)."""
+    p = Path(path)
+    if not p.is_file():
+        return False
+    try:
+        names = set(pq.ParquetFile(p).schema_arrow.names)
+    except (pa.ArrowInvalid, OSError):
+        return False
+    return set(COUNTS_COLUMNS) <= names
+
+
+@dataclass(frozen=True)
+class CountsSelection:
+    """Which part of a counts table to read and the shapes to assume where it has none.
+
+    Attributes:
+        model: substring of the ``model`` column value to keep (needed when several).
+        domains: ``domain`` values to pool (empty = all).
+        num_experts, top_k, vocab_size: shapes when neither metadata nor
+            :data:`KNOWN_MODEL_SHAPES` give them.
+    """
+
+    model: str | None = None
+    domains: tuple[str, ...] = ()
+    num_experts: int | None = None
+    top_k: int | None = None
+    vocab_size: int | None = None
+
+
+def _dictionary_values(table: pa.Table, column: str) -> list[str]:
+    return sorted(str(v) for v in pc.unique(table.column(column).cast(pa.string())).to_pylist())
+
+
+def _pick_model(table: pa.Table, wanted: str | None, path: Path) -> str | None:
+    if "model" not in table.column_names:
+        return None
+    models = _dictionary_values(table, "model")
+    if wanted is None:
+        if len(models) == 1:
+            return models[0]
+        raise InputError(
+            f"{path}: holds counts of several models ({', '.join(models)}); choose one with --model"
+        )
+    exact = [m for m in models if m == wanted]
+    matches = exact or [m for m in models if wanted.lower() in m.lower()]
+    if len(matches) != 1:
+        what = "matches several" if matches else "matches none"
+        raise InputError(
+            f"{path}: --model {wanted!r} {what} of the models in the table ({', '.join(models)})"
+        )
+    return matches[0]
+
+
+def read_counts_table(
+    path: str | Path, selection: CountsSelection = CountsSelection()
+) -> TokenExpertCounts:
+    """Read a counts table (either layout, see the module docstring) as :class:`TokenExpertCounts`.
+
+    Layers are renumbered in sorted order of the model's ``layer`` values in the table
+    (whatever the domains selected), which are kept as ``moe_layer_indices``. Rows of the
+    selected domains are pooled.
+    """
+    path = Path(path)
+    if not is_counts_table(path):
+        raise InputError(
+            f"{path}: not a token-expert counts table (a Parquet file with columns "
+            f"{', '.join(COUNTS_COLUMNS)})"
+        )
+    pf = pq.ParquetFile(path)
+    md = pf.schema_arrow.metadata or {}
+    declared: dict = {}
+    if META_KEY in md:
+        try:
+            declared = json.loads(md[META_KEY])
+        except ValueError as e:
+            raise SchemaError(f"{path}: 'moeplan' metadata is not valid JSON ({e})") from None
+        if declared.get("schema") != "counts":
+            raise SchemaError(f"{path}: 'moeplan' metadata does not declare schema 'counts'")
+        if declared.get("schema_version", 1) != 1:
+            raise SchemaError(
+                f"{path}: counts schema_version {declared.get('schema_version')} is not supported (expected 1)"
+            )
+    table = pq.read_table(path)
+    model = _pick_model(table, selection.model, path)
+    if model is not None:
+        table = table.filter(pc.equal(table.column("model").cast(pa.string()), model))
+    # The model's layers, before any domain filter: every domain maps a model layer to
+    # the same MoE layer index.
+    layer_values = np.unique(table.column("layer").to_numpy()).astype(np.int64)
+    domains: tuple[str, ...] = ()
+    if "domain" in table.column_names:
+        available = _dictionary_values(table, "domain")
+        if selection.domains:
+            unknown = [d for d in selection.domains if d not in available]
+            if unknown:
+                raise InputError(
+                    f"{path}: domain(s) {', '.join(unknown)} not in the table for "
+                    f"{model or 'this model'} (available: {', '.join(available)})"
+                )
+            domains = tuple(selection.domains)
+            table = table.filter(
+                pc.is_in(table.column("domain").cast(pa.string()), pa.array(domains))
+            )
+        else:
+            domains = tuple(available)
+    elif selection.domains:
+        raise InputError(f"{path}: has no 'domain' column; drop --domain")
+    if table.num_rows == 0:
+        raise InputError(
+            f"{path}: no rows left after selecting model {model!r} and domains {domains}"
+        )
+
+    layer = table.column("layer").to_numpy().astype(np.int64)
+    token = table.column("token_id").to_numpy().astype(np.int64)
+    expert = table.column("expert").to_numpy().astype(np.int64)
+    count = table.column("count").to_numpy().astype(np.int64)
+    if (count < 0).any():
+        raise SchemaError(f"{path}: negative count {int(count.min())}")
+
+    shape = _resolve_shape(path, model, declared, selection)
+    if declared and "num_layers" in declared:
+        layer_values = np.arange(int(declared["num_layers"]))
+        if layer.min() < 0 or layer.max() >= len(layer_values):
+            bad = int(layer.min()) if layer.min() < 0 else int(layer.max())
+            raise SchemaError(f"{path}: layer {bad} outside [0, {len(layer_values)}) (num_layers)")
+    _check_range(path, "token_id", token, shape["vocab_size"], "vocab_size")
+    _check_range(path, "expert", expert, shape["num_experts"], "num_experts")
+    moe_index = np.searchsorted(layer_values, layer)
+    meta = TraceMeta(
+        model=model or str(declared.get("model") or path.stem),
+        num_layers=len(layer_values),
+        num_experts=shape["num_experts"],
+        top_k=shape["top_k"],
+        vocab_size=shape["vocab_size"],
+        moe_layer_indices=tuple(int(x) for x in layer_values),
+        source=f"counts table {path.name}" + (f" domains={','.join(domains)}" if domains else ""),
+    )
+    out = counts_from_triples(meta, moe_index, token, expert, count)
+    return TokenExpertCounts(out.meta, out.by_layer, domains)
+
+
+def _check_range(path: Path, name: str, values: np.ndarray, bound: int, what: str) -> None:
+    lo, hi = int(values.min()), int(values.max())
+    if lo < 0 or hi >= bound:
+        bad = lo if lo < 0 else hi
+        raise SchemaError(
+            f"{path}: {name} {bad} outside [0, {bound}) ({what}); pass the right --{what.replace('_', '-')}"
+        )
+
+
+def _resolve_shape(
+    path: Path, model: str | None, declared: dict, sel: CountsSelection
+) -> dict[str, int]:
+    known: dict[str, int] = {}
+    if model is not None:
+        for name, shape in KNOWN_MODEL_SHAPES.items():
+            if name.lower() in model.lower():
+                known = shape
+    out = {}
+    for key in ("num_experts", "top_k", "vocab_size"):
+        value = getattr(sel, key)
+        if value is None:
+            value = declared.get(key, known.get(key))
+        if value is None:
+            raise InputError(
+                f"{path}: the table does not say {key} for {model or 'its model'}; "
+                f"pass --{key.replace('_', '-')}"
+            )
+        if not isinstance(value, int) or value <= 0:
+            raise InputError(f"{path}: {key}={value!r} must be a positive integer")
+        out[key] = int(value)
+    return out
+
+
+def write_counts_table(path: str | Path, counts: TokenExpertCounts) -> Path:
+    """Write ``counts`` in DESIGN.md's counts schema (atomically); ``layer`` = MoE layer index."""
+    m = counts.meta
+    cols: dict[str, list[np.ndarray]] = {c: [] for c in COUNTS_COLUMNS}
+    for layer, mat in enumerate(counts.by_layer):
+        coo = mat.tocoo()
+        cols["layer"].append(np.full(coo.nnz, layer, np.int16))
+        cols["token_id"].append(coo.row.astype(np.int32))
+        cols["expert"].append(coo.col.astype(np.int16))
+        cols["count"].append(coo.data.astype(np.int64))
+    schema = counts_arrow_schema(
+        CountsMeta(m.num_layers, m.num_experts, m.top_k, m.vocab_size, model=m.model)
+    )
+    table = pa.Table.from_arrays(
+        [pa.array(np.concatenate(cols[c]), schema.field(c).type) for c in COUNTS_COLUMNS],
+        schema=schema,
+    )
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp, compression="zstd")
+    return Path(path)

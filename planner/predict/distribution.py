@@ -1,0 +1,141 @@
+"""Distribution-only prediction of expert load (MoE-GPS, paper 004 §3.2.1 and App. A).
+
+Each MoE layer's expert choices are modelled as i.i.d. draws from a multinomial
+``p[l] = (p_1 .. p_N)``; its maximum-likelihood estimate is ``p_hat[l, i] = n_i / sum n``
+(routed activations of expert i over all activations of the layer). Fed batch by batch,
+the MLE is the running mean of the batch distributions weighted by their sizes (the
+"moving average" of the paper); an exponential moving average (``momentum``) is offered
+for a load that drifts.
+
+MoE-GPS's error rate of an estimate against the empirical distribution ``p`` of held-out
+data is ``|p_hat - p| / (1 / N)`` averaged over experts, then over layers; per layer that
+is exactly the L1 distance ``sum_i |p_hat_i - p_i|``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from planner.errors import InputError, SchemaError
+
+
+class DistributionPredictor:
+    """Per-layer multinomial estimate of expert load.
+
+    Args:
+        momentum: None for the exact MLE over everything seen (size-weighted running
+            mean); a float in (0, 1] for an exponential moving average, each batch moving
+            the estimate by that fraction towards the batch's distribution.
+
+    Fitted attributes:
+        probabilities_: [L, N] float64, rows sum to 1.
+        load_: [L, N] int64 routed activations seen (the MLE's sufficient statistic).
+        batches_: number of batches folded in.
+    """
+
+    def __init__(self, momentum: float | None = None):
+        self.momentum = momentum
+
+    def partial_fit(self, load: np.ndarray) -> DistributionPredictor:
+        """Fold in one batch's routed activations ``load`` [L, N] (non-negative counts)."""
+        load = np.asarray(load)
+        if load.ndim != 2:
+            raise InputError(f"load must be [layers, experts], got shape {load.shape}")
+        if load.size and load.min() < 0:
+            raise InputError("load holds negative counts")
+        if self.momentum is not None and not 0.0 < float(self.momentum) <= 1.0:
+            raise InputError(f"momentum={self.momentum!r} must lie in (0, 1] or be None")
+        if not hasattr(self, "load_"):
+            self.load_ = np.zeros(load.shape, np.int64)
+            self.probabilities_ = np.full(load.shape, 1.0 / load.shape[1])
+            self.batches_ = 0
+        if load.shape != self.load_.shape:
+            raise InputError(
+                f"load shape {load.shape} differs from earlier batches {self.load_.shape}"
+            )
+        self.load_ += load.astype(np.int64)
+        if self.momentum is None or self.batches_ == 0:
+            self.probabilities_ = empirical_distribution(self.load_)
+        else:
+            batch_p = empirical_distribution(load)
+            has = load.sum(axis=1) > 0
+            m = float(self.momentum)
+            self.probabilities_[has] = (1 - m) * self.probabilities_[has] + m * batch_p[has]
+        self.batches_ += 1
+        return self
+
+    def fit(self, loads: Iterable[np.ndarray]) -> DistributionPredictor:
+        """Fit from scratch on an iterable of per-batch loads [L, N]."""
+        for attr in ("load_", "probabilities_", "batches_"):
+            self.__dict__.pop(attr, None)
+        for load in loads:
+            self.partial_fit(load)
+        if not hasattr(self, "load_"):
+            raise InputError("DistributionPredictor.fit got no batches")
+        return self
+
+    def predict(self) -> np.ndarray:
+        """[L, N] float64 predicted share of routed activations per expert."""
+        if not hasattr(self, "probabilities_"):
+            raise InputError("DistributionPredictor is not fitted; call fit() first")
+        return self.probabilities_
+
+    def to_tensors(self) -> dict[str, np.ndarray]:
+        return {
+            "probabilities": self.predict().astype(np.float64),
+            "load": self.load_.astype(np.int64),
+            "batches": np.array([self.batches_], np.int64),
+        }
+
+    @classmethod
+    def from_tensors(
+        cls, tensors: dict[str, np.ndarray], momentum: float | None, shape: tuple[int, int]
+    ) -> DistributionPredictor:
+        try:
+            p, load, batches = tensors["probabilities"], tensors["load"], tensors["batches"]
+        except KeyError as e:
+            raise SchemaError(f"distribution tensors lack {e.args[0]!r}") from None
+        if p.shape != shape or load.shape != shape:
+            raise SchemaError(f"distribution tensors have shape {p.shape}, expected {shape}")
+        if not np.isfinite(p).all() or (p < 0).any():
+            raise SchemaError("distribution probabilities must be finite and non-negative")
+        self = cls(momentum=momentum)
+        self.probabilities_ = p.astype(np.float64)
+        self.load_ = load.astype(np.int64)
+        self.batches_ = int(batches[0])
+        return self
+
+
+def empirical_distribution(load: np.ndarray) -> np.ndarray:
+    """[L, N] float64 load normalised per layer (uniform where a layer has no activations)."""
+    load = np.asarray(load, np.float64)
+    total = load.sum(axis=1, keepdims=True)
+    uniform = np.full_like(load, 1.0 / load.shape[1])
+    return np.divide(load, total, out=uniform, where=total > 0)
+
+
+def error_rate(p_hat: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """[L] MoE-GPS error rate per layer: mean over experts of ``|p_hat - p| / (1/N)``."""
+    p_hat, p = np.asarray(p_hat, np.float64), np.asarray(p, np.float64)
+    if p_hat.shape != p.shape:
+        raise InputError(f"distributions of shapes {p_hat.shape} and {p.shape} cannot be compared")
+    return np.abs(p_hat - p).mean(axis=1) * p.shape[1]
+
+
+def load_skewness(load: np.ndarray) -> np.ndarray:
+    """[L] max / mean routed activations per expert (MoE-GPS's skewness; 1.0 = even)."""
+    load = np.asarray(load, np.float64)
+    mean = load.mean(axis=1)
+    return np.divide(load.max(axis=1), mean, out=np.full(mean.shape, np.nan), where=mean > 0)
+
+
+def batch_load(experts: np.ndarray, num_experts: int) -> np.ndarray:
+    """[L, N] int64 routed activations of each expert in ``experts`` [T, L, k]."""
+    return np.stack(
+        [
+            np.bincount(experts[:, layer].ravel(), minlength=num_experts)
+            for layer in range(experts.shape[1])
+        ]
+    ).astype(np.int64)

@@ -1,0 +1,323 @@
+"""``moeplan fit`` as a library call: stream routing data, fit every predictor, report held-out.
+
+Traces are read twice at most, in chunks: one pass accumulates the fitting statistics
+(token-expert counts, top-1 transitions, unknown-token load) over the fitting requests;
+with a hold-out, a second pass scores the held-out requests. Memory is bounded by the
+distinct (layer, token, expert) triples, not by the trace's length.
+
+Counts tables are read whole (they are aggregates already) and split by binomial
+thinning, or evaluated across domains (see :mod:`planner.predict.split`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from planner.errors import InputError, SchemaError
+from planner.predict.affinity import TokenExpertAffinity, load_embeddings
+from planner.predict.counts import (
+    CountsAccumulator,
+    CountsSelection,
+    TokenExpertCounts,
+    is_counts_table,
+    read_counts_table,
+)
+from planner.predict.distribution import DistributionPredictor, batch_load
+from planner.predict.metrics import HeldoutParts, TraceEvaluator, evaluate_counts
+from planner.predict.neural import NeuralConfig, NeuralPredictor
+from planner.predict.ngram import TransitionAccumulator
+from planner.predict.predictor import Predictor
+from planner.predict.split import RequestSplit, check_fraction, thin_counts
+from planner.trace.io import DEFAULT_BATCH_ROWS, Trace, open_trace
+
+# Written next to the trace parts by ``moeplan profile --save-embeddings``.
+PROFILE_EMBEDDINGS = "embeddings.safetensors"
+# The columns fitting reads: gate weights are not needed.
+_ROUTING_COLUMNS = ["request_id", "token_id", "experts"]
+
+
+@dataclass(frozen=True)
+class RoutingRows:
+    """Trace rows without gate weights: request_id [T] int64, token_id [T] int32,
+    experts [T, L, k] int16 (the attributes of :class:`TraceBatch` that fitting uses)."""
+
+    request_id: np.ndarray
+    token_id: np.ndarray
+    experts: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.request_id.shape[0])
+
+    def select(self, mask: np.ndarray) -> RoutingRows:
+        return RoutingRows(self.request_id[mask], self.token_id[mask], self.experts[mask])
+
+
+def routing_rows(trace: Trace, batch_rows: int) -> Iterator[RoutingRows]:
+    """Stream ``trace`` as :class:`RoutingRows`, range-checked like ``Trace.iter_batches``.
+
+    Skipping the float16 ``weights`` column matters: pyarrow decodes it several times
+    slower than all the other columns together, and fitting never reads it.
+    """
+    m = trace.meta
+    for part in trace.parts:
+        for rb in pq.ParquetFile(part).iter_batches(
+            batch_size=batch_rows, columns=_ROUTING_COLUMNS
+        ):
+            t = rb.num_rows
+            experts = rb.column(2).flatten().to_numpy(zero_copy_only=False)
+            rows = RoutingRows(
+                rb.column(0).to_numpy(zero_copy_only=False).astype(np.int64, copy=False),
+                rb.column(1).to_numpy(zero_copy_only=False).astype(np.int32, copy=False),
+                experts.astype(np.int16, copy=False).reshape(t, m.num_layers, m.top_k),
+            )
+            if t:
+                _check_ids(rows, m, part)
+            yield rows
+
+
+def _check_ids(rows: RoutingRows, m, part: Path) -> None:
+    lo, hi = int(rows.experts.min()), int(rows.experts.max())
+    if lo < 0 or hi >= m.num_experts:
+        raise SchemaError(
+            f"{part}: expert id {lo if lo < 0 else hi} outside [0, {m.num_experts}) declared by num_experts"
+        )
+    lo, hi = int(rows.token_id.min()), int(rows.token_id.max())
+    if lo < -1 or hi >= m.vocab_size:
+        raise SchemaError(
+            f"{part}: token id {lo if lo < -1 else hi} outside [-1, {m.vocab_size}) (vocab_size)"
+        )
+
+
+@dataclass(frozen=True)
+class FitConfig:
+    """Settings of one fit.
+
+    Attributes:
+        holdout: share of requests (traces) or of activations (counts, by thinning) held
+            out for the report; None fits on everything and reports nothing.
+        seed: seed of the split and of the neural predictor.
+        embeddings: path of input embeddings [V, d] (.npy or .safetensors) for the
+            nearest-token fallback (and the neural predictor's input).
+        auto_embeddings: when ``embeddings`` is None and the trace directory holds the
+            ``embeddings.safetensors`` that ``moeplan profile --save-embeddings`` writes, use it.
+        distribution_momentum: None for the distribution-only predictor's exact MLE (the
+            size-weighted running mean over batches); a float in (0, 1] for an exponential
+            moving average over trace batches (counts tables have no batches: MLE).
+        neural: also train the neural predictor.
+        neural_config: its settings (its own seed is replaced by ``seed``).
+        confident_threshold: share defining a token's confident expert set.
+        ep_size, ngram_order: the indicative n-gram figure of the report uses the
+            contiguous placement on ``ep_size`` devices.
+        batch_rows: trace rows per chunk.
+        counts: model / domain / shape selection for counts tables.
+        eval_domains: counts only: fit on ``counts.domains``, report on these domains.
+        progress: show progress bars on stderr.
+    """
+
+    holdout: float | None = None
+    seed: int = 0
+    embeddings: str | None = None
+    auto_embeddings: bool = True
+    distribution_momentum: float | None = None
+    neural: bool = False
+    neural_config: NeuralConfig = field(default_factory=NeuralConfig)
+    confident_threshold: float = 0.5
+    ep_size: int = 8
+    ngram_order: int = 2
+    batch_rows: int = DEFAULT_BATCH_ROWS
+    counts: CountsSelection = field(default_factory=CountsSelection)
+    eval_domains: tuple[str, ...] = ()
+    progress: bool = False
+
+
+@dataclass(frozen=True)
+class FitResult:
+    predictor: Predictor
+    report: dict | None
+
+
+def fit_predictor(path: str | Path, config: FitConfig = FitConfig()) -> FitResult:
+    """Fit a :class:`Predictor` on the trace or counts table at ``path``."""
+    path = Path(path)
+    if config.holdout is not None:
+        check_fraction(config.holdout)
+    if not isinstance(config.batch_rows, int) or config.batch_rows < 1:
+        raise InputError(f"batch_rows={config.batch_rows!r} must be a positive integer")
+    if is_counts_table(path):
+        return _fit_counts(path, config)
+    if config.eval_domains or config.counts != CountsSelection():
+        raise InputError(
+            f"{path}: --model, --domain, --eval-domain and shape flags apply to counts tables only"
+        )
+    if (
+        config.embeddings is None
+        and config.auto_embeddings
+        and (path / PROFILE_EMBEDDINGS).is_file()
+    ):
+        config = replace(config, embeddings=str(path / PROFILE_EMBEDDINGS))
+    return _fit_trace(path, config)
+
+
+def _fit_components(
+    counts: TokenExpertCounts, config: FitConfig
+) -> tuple[TokenExpertAffinity, NeuralPredictor | None, dict]:
+    emb = load_embeddings(config.embeddings, counts.meta.vocab_size) if config.embeddings else None
+    t0 = time.perf_counter()
+    affinity = TokenExpertAffinity(confident_threshold=config.confident_threshold).fit(counts, emb)
+    timings = {
+        "affinity_seconds": round(time.perf_counter() - t0, 3),
+        "embeddings": config.embeddings,
+        "confident_threshold": config.confident_threshold,
+    }
+    neural = None
+    if config.neural:
+        ncfg = replace(config.neural_config, seed=config.seed)
+        neural = NeuralPredictor(ncfg).fit(counts, emb)
+        timings["neural_seconds"] = neural.train_log_["seconds"]
+    return affinity, neural, timings
+
+
+def _fit_trace(path: Path, config: FitConfig) -> FitResult:
+    trace = open_trace(path)
+    meta = trace.meta
+    split = None
+    if config.holdout is not None:
+        split = RequestSplit.make(trace.request_ids(), config.holdout, config.seed)
+    acc = CountsAccumulator(meta)
+    transitions = TransitionAccumulator(meta.num_layers, meta.num_experts)
+    unknown_load = np.zeros((meta.num_layers, meta.num_experts), np.int64)
+    # Per-batch loads only for a moving average: the MLE is the counts' column sums.
+    ema = config.distribution_momentum is not None
+    distribution = DistributionPredictor(config.distribution_momentum)
+    fit_tokens = 0
+    t0 = time.perf_counter()
+    with _progress(config.progress, "fitting", trace.num_rows) as advance:
+        for batch in routing_rows(trace, config.batch_rows):
+            advance(len(batch))
+            if split is not None:
+                batch = batch.select(~split.heldout_mask(batch.request_id))
+            if len(batch) == 0:
+                continue
+            fit_tokens += len(batch)
+            acc.add(batch.token_id, batch.experts)
+            transitions.add(batch.experts)
+            if ema:
+                distribution.partial_fit(batch_load(batch.experts, meta.num_experts))
+            unknown = batch.token_id < 0
+            if unknown.any() and not ema:
+                unknown_load += batch_load(batch.experts[unknown], meta.num_experts)
+    counts = acc.result()
+    trans = transitions.result()
+    pass_seconds = time.perf_counter() - t0
+    if fit_tokens == 0:
+        raise InputError(f"{path}: no token occurrences to fit on")
+    if not ema:  # the exact MLE over the fitting rows, unknown tokens included
+        distribution.partial_fit(counts.load() + unknown_load)
+    affinity, neural, timings = _fit_components(counts, config)
+    fit_info = {
+        "input": str(path),
+        "kind": "trace",
+        "seed": config.seed,
+        "split": split.summary() if split else None,
+        "fit_tokens": fit_tokens,
+        "unknown_tokens": acc.unknown_tokens,
+        "distinct_tokens": int(affinity.seen_.sum()),
+        "activations": fit_tokens * meta.num_layers * meta.top_k,
+        "pass_seconds": round(pass_seconds, 3),
+        "activations_per_second": round(
+            fit_tokens * meta.num_layers * meta.top_k / max(pass_seconds, 1e-9)
+        ),
+        **timings,
+    }
+    report = None
+    if split is not None:
+        parts = HeldoutParts(
+            affinity, distribution, counts, trans, neural, config.ep_size, config.ngram_order
+        )
+        evaluator = TraceEvaluator(parts)
+        with _progress(config.progress, "scoring held-out", trace.num_rows) as advance:
+            for batch in routing_rows(trace, config.batch_rows):
+                advance(len(batch))
+                held = batch.select(split.heldout_mask(batch.request_id))
+                if len(held):
+                    evaluator.add(held)
+        report = {"split": split.summary(), **evaluator.report()}
+    predictor = Predictor(meta, affinity, distribution, trans, neural, fit_info, report)
+    return FitResult(predictor, report)
+
+
+def _fit_counts(path: Path, config: FitConfig) -> FitResult:
+    if config.eval_domains and config.holdout is not None:
+        raise InputError(
+            "choose either --holdout (thinning) or --eval-domain (cross-domain), not both"
+        )
+    counts = read_counts_table(path, config.counts)
+    heldout, split = None, None
+    if config.eval_domains:
+        overlap = sorted(set(config.eval_domains) & set(counts.domains))
+        if overlap:
+            raise InputError(
+                f"evaluation domain(s) {', '.join(overlap)} are also fitting domains; "
+                "pass the fitting domains with --domain"
+            )
+        heldout = read_counts_table(
+            path, replace(config.counts, domains=tuple(config.eval_domains))
+        )
+        split = {
+            "kind": "domain",
+            "fit_domains": list(counts.domains),
+            "eval_domains": list(heldout.domains),
+        }
+        fit = counts
+    elif config.holdout is not None:
+        fit, heldout = thin_counts(counts, config.holdout, config.seed)
+        split = {
+            "kind": "thinning",
+            "fraction": config.holdout,
+            "seed": config.seed,
+            "note": "each routed activation held out independently: a token-occurrence "
+            "split, optimistic compared with a request split",
+        }
+    else:
+        fit = counts
+    distribution = DistributionPredictor(config.distribution_momentum).partial_fit(fit.load())
+    affinity, neural, timings = _fit_components(fit, config)
+    fit_info = {
+        "input": str(path),
+        "kind": "counts",
+        "seed": config.seed,
+        "domains": list(fit.domains),
+        "split": split,
+        "fit_activations": fit.total_activations(),
+        "distinct_tokens": int(affinity.seen_.sum()),
+        "counts_selection": asdict(config.counts) | {"domains": list(config.counts.domains)},
+        **timings,
+    }
+    report = None
+    if heldout is not None:
+        parts = HeldoutParts(
+            affinity, distribution, fit, None, neural, config.ep_size, config.ngram_order
+        )
+        report = {"split": split, **evaluate_counts(parts, heldout)}
+    predictor = Predictor(fit.meta, affinity, distribution, None, neural, fit_info, report)
+    return FitResult(predictor, report)
+
+
+@contextmanager
+def _progress(enabled: bool, what: str, total: int) -> Iterator:
+    if not enabled:
+        yield lambda n: None
+        return
+    from rich.console import Console
+    from rich.progress import Progress
+
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(what, total=total)
+        yield lambda n: bar.advance(task, n)

@@ -1,0 +1,342 @@
+"""Inter-layer n-gram device predictor (Speculative MoE, paper 000 §3.3 and App. B.1).
+
+A token's device at layer l is predicted from the devices of its top-1 experts at layers
+l-n .. l-1: ``Pr(D_l | D_{l-1}, ..., D_{l-n})``, tabulated as the argmax table A and its
+confidence Ap (n = 2 in the paper). Devices depend on the expert placement, which the
+solver chooses later, so the trace is reduced once to a placement-free sufficient
+statistic, :class:`TopOneTransitions`: for each layer l the distinct tuples of top-1
+experts ``(e_{l-3}, e_{l-2}, e_{l-1}, e_l)`` (-1 before layer 0) with their counts. Any
+placement's table of order n <= 3 is then :func:`fit_ngram_device_table`, without
+re-reading the trace.
+
+Table layout (DESIGN.md bundle ``ngram_to_device`` / ``ngram_confidence``): row index of a
+context = the base-E number of the devices at layers l-n .. l-1 with the most recent layer
+last (least significant): ``row = sum_{i=1..n} D_{l-i} * E**(i-1)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.errors import InputError, MismatchError, SchemaError
+from planner.predict.counts import SortedKeyCounter
+
+MAX_ORDER = 3
+_WIDTH = MAX_ORDER + 1  # experts per tuple: three context layers and the current one
+
+
+@dataclass(frozen=True)
+class TopOneTransitions:
+    """Counts of top-1 expert 4-tuples per layer (placement-free n-gram statistic).
+
+    Attributes:
+        keys: [M, 4] int16, rows ``(e_{l-3}, e_{l-2}, e_{l-1}, e_l)``; -1 before layer 0.
+        counts: [M] int64 token occurrences with that tuple.
+        layer_offsets: [L+1] int64; layer l's tuples are rows ``offsets[l]:offsets[l+1]``.
+        num_experts: N.
+
+    Example (L = 2, N = 4): a token routed first to expert 3 at layer 0 and to expert 1 at
+    layer 1 adds one to tuple (-1, -1, -1, 3) of layer 0 and (-1, -1, 3, 1) of layer 1.
+    """
+
+    keys: np.ndarray
+    counts: np.ndarray
+    layer_offsets: np.ndarray
+    num_experts: int
+
+    def __post_init__(self) -> None:
+        k, c, off = self.keys, self.counts, self.layer_offsets
+        if k.ndim != 2 or k.shape[1] != _WIDTH or c.shape != (k.shape[0],):
+            raise SchemaError(f"transitions keys {k.shape} / counts {c.shape} are not [M, 4] / [M]")
+        if (
+            off.ndim != 1
+            or off.shape[0] < 2
+            or off[0] != 0
+            or off[-1] != k.shape[0]
+            or (np.diff(off) < 0).any()
+        ):
+            raise SchemaError("transitions layer_offsets are inconsistent with the tuples")
+        if k.size and (int(k.min()) < -1 or int(k.max()) >= self.num_experts):
+            raise SchemaError(f"transitions hold expert ids outside [-1, {self.num_experts})")
+        if c.size and int(c.min()) <= 0:
+            raise SchemaError("transitions counts must be positive")
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.layer_offsets.shape[0] - 1)
+
+    def layer(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """(tuples [M_l, 4] int16, counts [M_l] int64) of layer ``l``."""
+        lo, hi = int(self.layer_offsets[layer]), int(self.layer_offsets[layer + 1])
+        return self.keys[lo:hi], self.counts[lo:hi]
+
+    def to_tensors(self) -> dict[str, np.ndarray]:
+        return {
+            "keys": self.keys.astype(np.int16),
+            "counts": self.counts.astype(np.int64),
+            "layer_offsets": self.layer_offsets.astype(np.int64),
+        }
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, np.ndarray], num_experts: int) -> TopOneTransitions:
+        try:
+            return cls(tensors["keys"], tensors["counts"], tensors["layer_offsets"], num_experts)
+        except KeyError as e:
+            raise SchemaError(f"transitions tensors lack {e.args[0]!r}") from None
+
+
+class TransitionAccumulator:
+    """Accumulates :class:`TopOneTransitions` from trace batches (memory: distinct tuples)."""
+
+    def __init__(self, num_layers: int, num_experts: int):
+        self.num_layers, self.num_experts = num_layers, num_experts
+        self._base = np.uint64(num_experts + 1)
+        self._counters = [SortedKeyCounter(np.uint64, capacity=1 << 20) for _ in range(num_layers)]
+
+    def add(self, experts: np.ndarray) -> None:
+        """Count one chunk: ``experts`` [T, L, k] int16 (rank 0 = top-1)."""
+        top1 = experts[:, :, 0].astype(np.int64) + 1  # [T, L], 0 encodes "before layer 0"
+        t = top1.shape[0]
+        padded = np.zeros((t, self.num_layers + MAX_ORDER), np.uint64)
+        padded[:, MAX_ORDER:] = top1
+        b = self._base
+        for layer in range(self.num_layers):
+            win = padded[:, layer : layer + _WIDTH]  # layers l-3 .. l
+            key = ((win[:, 0] * b + win[:, 1]) * b + win[:, 2]) * b + win[:, 3]
+            self._counters[layer].add_keys(key)
+
+    def result(self) -> TopOneTransitions:
+        b = self.num_experts + 1
+        keys, counts, offsets = [], [], [0]
+        for counter in self._counters:
+            k, c = counter.result()
+            digits = np.empty((k.shape[0], _WIDTH), np.int64)
+            rest = k.astype(np.int64)
+            for col in range(_WIDTH - 1, -1, -1):
+                digits[:, col] = rest % b
+                rest //= b
+            keys.append((digits - 1).astype(np.int16))
+            counts.append(c)
+            offsets.append(offsets[-1] + k.shape[0])
+        return TopOneTransitions(
+            np.concatenate(keys) if keys else np.zeros((0, _WIDTH), np.int16),
+            np.concatenate(counts) if counts else np.zeros(0, np.int64),
+            np.array(offsets, np.int64),
+            self.num_experts,
+        )
+
+
+@dataclass(frozen=True)
+class NgramDeviceTable:
+    """n-gram device table of one placement, in the bundle's layout.
+
+    Attributes:
+        to_device: [L, E**n] int16 predicted device of the token's top-1 expert at layer l.
+        confidence: [L, E**n] float16 empirical probability of that device given the
+            context; 0 where undefined (l < n, or a context never seen).
+        order: n.
+        ep_size: E.
+    """
+
+    to_device: np.ndarray
+    confidence: np.ndarray
+    order: int
+    ep_size: int
+
+    def __post_init__(self) -> None:
+        rows = self.ep_size**self.order
+        if self.to_device.ndim != 2 or self.to_device.shape[1] != rows:
+            raise SchemaError(f"to_device has shape {self.to_device.shape}, expected [L, {rows}]")
+        if self.confidence.shape != self.to_device.shape:
+            raise SchemaError("confidence and to_device shapes differ")
+
+
+def contiguous_placement(num_layers: int, num_experts: int, ep_size: int) -> np.ndarray:
+    """[L, N] int16 vanilla placement: expert e on device e // (N / E)."""
+    _check_ep(num_experts, ep_size)
+    per = num_experts // ep_size
+    return np.broadcast_to(np.arange(num_experts) // per, (num_layers, num_experts)).astype(
+        np.int16
+    )
+
+
+def _check_ep(num_experts: int, ep_size: int) -> None:
+    if not isinstance(ep_size, int | np.integer) or ep_size < 1 or num_experts % ep_size:
+        raise InputError(
+            f"ep_size={ep_size!r} must be a positive divisor of num_experts={num_experts}"
+        )
+
+
+def _check_placement(
+    expert_to_device: np.ndarray, num_layers: int, num_experts: int, ep_size: int
+) -> np.ndarray:
+    e2d = np.asarray(expert_to_device)
+    if e2d.shape != (num_layers, num_experts):
+        raise MismatchError(
+            f"expert_to_device has shape {e2d.shape}, expected (L, N) = ({num_layers}, {num_experts})"
+        )
+    if e2d.size and (int(e2d.min()) < 0 or int(e2d.max()) >= ep_size):
+        raise InputError(f"expert_to_device holds devices outside [0, {ep_size})")
+    return e2d.astype(np.int64)
+
+
+def context_rows(devices: np.ndarray, ep_size: int) -> np.ndarray:
+    """[T] row index of contexts ``devices`` [T, n] (oldest layer first, most recent last)."""
+    rows = np.zeros(devices.shape[0], np.int64)
+    for i in range(devices.shape[1]):
+        rows = rows * ep_size + devices[:, i]
+    return rows
+
+
+def fit_ngram_device_table(
+    transitions: TopOneTransitions,
+    expert_to_device: np.ndarray,
+    ep_size: int,
+    order: int = 2,
+) -> NgramDeviceTable:
+    """Fit the n-gram device table of a placement from the top-1 transition counts.
+
+    Args:
+        transitions: statistic from the fitting data (:class:`TopOneTransitions`).
+        expert_to_device: [L, N] device of each expert at each layer.
+        ep_size: E devices.
+        order: n in 1..3 (2 in the paper).
+
+    Returns the table; rows whose context was never seen, and every row of layers l < n,
+    predict the layer's most common top-1 device with confidence 0.
+    """
+    if order not in range(1, MAX_ORDER + 1):
+        raise InputError(f"ngram order {order!r} must be 1, 2 or 3")
+    n_experts = transitions.num_experts
+    _check_ep(n_experts, ep_size)
+    big_l = transitions.num_layers
+    e2d = _check_placement(expert_to_device, big_l, n_experts, ep_size)
+    rows_per_layer = ep_size**order
+    to_device = np.zeros((big_l, rows_per_layer), np.int16)
+    confidence = np.zeros((big_l, rows_per_layer), np.float16)
+    for layer in range(big_l):
+        tuples, counts = transitions.layer(layer)
+        target = e2d[layer][tuples[:, 3].astype(np.int64)]
+        common = int(np.argmax(np.bincount(target, weights=counts, minlength=ep_size)))
+        to_device[layer] = common
+        if layer < order or tuples.shape[0] == 0:
+            continue
+        ctx = np.stack(
+            [
+                e2d[layer - i][tuples[:, MAX_ORDER - i].astype(np.int64)]
+                for i in range(order, 0, -1)
+            ],
+            axis=1,
+        )
+        joint = np.bincount(
+            context_rows(ctx, ep_size) * ep_size + target,
+            weights=counts.astype(np.float64),
+            minlength=rows_per_layer * ep_size,
+        ).reshape(rows_per_layer, ep_size)
+        total = joint.sum(axis=1)
+        seen = total > 0
+        best = np.argmax(joint, axis=1)
+        to_device[layer, seen] = best[seen]
+        confidence[layer, seen] = (joint[seen, best[seen]] / total[seen]).astype(np.float16)
+    return NgramDeviceTable(to_device, confidence, order, ep_size)
+
+
+def predict_devices(
+    table: NgramDeviceTable, experts: np.ndarray, expert_to_device: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Online n-gram prediction for trace rows ``experts`` [T, L, k].
+
+    Returns (device [T, L] int64, confidence [T, L] float32); layers l < n get the table's
+    default device and confidence 0, as at serving time.
+    """
+    t, big_l, _ = experts.shape
+    e2d = _check_placement(expert_to_device, big_l, expert_to_device.shape[1], table.ep_size)
+    if table.to_device.shape[0] != big_l:
+        raise MismatchError(
+            f"n-gram table has {table.to_device.shape[0]} layers, trace has {big_l}"
+        )
+    top1_dev = np.stack(
+        [e2d[layer][experts[:, layer, 0].astype(np.int64)] for layer in range(big_l)], axis=1
+    )
+    device = np.empty((t, big_l), np.int64)
+    conf = np.zeros((t, big_l), np.float32)
+    n = table.order
+    for layer in range(big_l):
+        if layer < n:
+            device[:, layer] = table.to_device[layer, 0]
+            continue
+        rows = context_rows(top1_dev[:, layer - n : layer], table.ep_size)
+        device[:, layer] = table.to_device[layer, rows]
+        conf[:, layer] = table.confidence[layer, rows]
+    return device, conf
+
+
+@dataclass
+class NgramEvaluation:
+    """Held-out accuracy of an n-gram device table, accumulated over batches.
+
+    Per layer: ``hits`` tokens whose top-1 expert sat on the predicted device, ``local``
+    routed activations on the predicted device, ``tokens`` occurrences evaluated.
+    Layers l < n are not evaluated (no full context).
+    """
+
+    order: int
+    ep_size: int
+    hits: np.ndarray
+    local: np.ndarray
+    tokens: np.ndarray
+    top_k: int
+
+    def add(
+        self, table: NgramDeviceTable, experts: np.ndarray, expert_to_device: np.ndarray
+    ) -> None:
+        device, _ = predict_devices(table, experts, expert_to_device)
+        e2d = np.asarray(expert_to_device, np.int64)
+        for layer in range(self.order, experts.shape[1]):
+            dev_of_routed = e2d[layer][experts[:, layer].astype(np.int64)]  # [T, k]
+            on = dev_of_routed == device[:, layer][:, None]
+            self.hits[layer] += int(on[:, 0].sum())
+            self.local[layer] += int(on.sum())
+            self.tokens[layer] += experts.shape[0]
+
+    def summary(self) -> dict:
+        ev = self.tokens > 0
+        acc = np.where(ev, self.hits / np.maximum(self.tokens, 1), np.nan)
+        lar = np.where(ev, self.local / np.maximum(self.tokens * self.top_k, 1), np.nan)
+        total = int(self.tokens.sum())
+        return {
+            "order": self.order,
+            "ep_size": self.ep_size,
+            "top1_device_accuracy": {
+                "per_layer": [_round(x) for x in acc],
+                "overall": _round(self.hits.sum() / total) if total else None,
+            },
+            "local_activation_rate": {
+                "per_layer": [_round(x) for x in lar],
+                "overall": _round(self.local.sum() / (total * self.top_k)) if total else None,
+            },
+        }
+
+
+def evaluate_ngram_device_table(
+    table: NgramDeviceTable,
+    batches: Iterable[np.ndarray],
+    expert_to_device: np.ndarray,
+    top_k: int,
+) -> NgramEvaluation:
+    """Accuracy of ``table`` on held-out rows: ``batches`` yields ``experts`` [T, L, k]."""
+    big_l = table.to_device.shape[0]
+    ev = NgramEvaluation(
+        table.order, table.ep_size, np.zeros(big_l, np.int64), np.zeros(big_l, np.int64),
+        np.zeros(big_l, np.int64), top_k,
+    )  # fmt: skip
+    for experts in batches:
+        ev.add(table, experts, expert_to_device)
+    return ev
+
+
+def _round(x: float) -> float | None:
+    return None if x is None or not np.isfinite(x) else round(float(x), 6)

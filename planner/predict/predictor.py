@@ -1,0 +1,246 @@
+"""The saved predictor: everything ``moeplan fit`` learned, as one versioned directory.
+
+Layout of a predictor directory (written atomically, all or nothing)::
+
+    predictor.json          manifest: format "moeplan-predictor", format_version 1, model
+                            metadata and fingerprint, settings, fit info, sha256 of files
+    affinity.safetensors    token->expert counts per layer (CSR, end to end), nearest_known
+    distribution.safetensors  distribution-only estimate [L, N] and its load counts
+    transitions.safetensors top-1 expert 4-tuples per layer (absent for counts tables)
+    neural.safetensors      the neural predictor's weights (only with --neural)
+    report.json             the held-out report (only with --holdout / --eval-domain)
+
+Loading checks the format, version and every file's checksum, so a truncated or edited
+file is refused with :class:`SchemaError` rather than silently used. Artifacts derived from
+a predictor compare :attr:`Predictor.fingerprint` with their trace's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from planner import __version__
+from planner._io import atomic_path
+from planner.errors import InputError, MismatchError, SchemaError
+from planner.predict.affinity import TokenExpertAffinity
+from planner.predict.distribution import DistributionPredictor
+from planner.predict.neural import NeuralPredictor
+from planner.predict.ngram import TopOneTransitions
+from planner.trace.schema import TraceMeta
+
+FORMAT = "moeplan-predictor"
+FORMAT_VERSION = 1
+MANIFEST = "predictor.json"
+REPORT = "report.json"
+
+
+@dataclass(frozen=True)
+class Predictor:
+    """A fitted predictor bundle.
+
+    Attributes:
+        meta: the model and shapes it was fitted for (from the trace or counts table).
+        affinity: fitted :class:`TokenExpertAffinity` (token->expert table).
+        distribution: fitted :class:`DistributionPredictor` (expert-load distribution).
+        transitions: :class:`TopOneTransitions` for n-gram device tables, or None when the
+            input had no per-token routing paths (counts tables).
+        neural: fitted :class:`NeuralPredictor`, or None.
+        fit_info: how it was fitted (input path, split, seed, sizes, timings).
+        report: the held-out report, or None when nothing was held out.
+    """
+
+    meta: TraceMeta
+    affinity: TokenExpertAffinity
+    distribution: DistributionPredictor
+    transitions: TopOneTransitions | None = None
+    neural: NeuralPredictor | None = None
+    fit_info: dict = field(default_factory=dict)
+    report: dict | None = None
+
+    def __post_init__(self) -> None:
+        m = self.meta
+        a = self.affinity
+        if not hasattr(a, "meta_"):
+            raise InputError("Predictor needs a fitted TokenExpertAffinity")
+        if a.meta_.fingerprint() != m.fingerprint():
+            raise MismatchError("the affinity table was fitted on another model or shape")
+        if self.distribution.predict().shape != (m.num_layers, m.num_experts):
+            raise MismatchError(
+                f"distribution has shape {self.distribution.predict().shape}, "
+                f"expected ({m.num_layers}, {m.num_experts})"
+            )
+        t = self.transitions
+        if t is not None and (t.num_layers != m.num_layers or t.num_experts != m.num_experts):
+            raise MismatchError("transitions were counted on another model or shape")
+
+    @property
+    def fingerprint(self) -> str:
+        return self.meta.fingerprint()
+
+    def check_compatible(self, meta: TraceMeta, what: str = "trace") -> None:
+        """Raise :class:`MismatchError` unless ``meta`` describes the same model and shapes."""
+        if meta.fingerprint() != self.fingerprint:
+            raise MismatchError(
+                f"predictor was fitted on {self.meta.model!r} (L={self.meta.num_layers}, "
+                f"N={self.meta.num_experts}, k={self.meta.top_k}, V={self.meta.vocab_size}, "
+                f"fingerprint {self.fingerprint}) but the {what} is {meta.model!r} "
+                f"(L={meta.num_layers}, N={meta.num_experts}, k={meta.top_k}, "
+                f"V={meta.vocab_size}, fingerprint {meta.fingerprint()}); refit on matching data"
+            )
+
+    # -- persistence -------------------------------------------------------------------------
+
+    def save(self, path: str | Path) -> Path:
+        """Write the predictor directory at ``path`` atomically (replacing an older predictor)."""
+        from safetensors.numpy import save_file
+
+        path = check_destination(path)
+        tensors = {
+            "affinity.safetensors": self.affinity.to_tensors(),
+            "distribution.safetensors": self.distribution.to_tensors(),
+        }
+        if self.transitions is not None:
+            tensors["transitions.safetensors"] = self.transitions.to_tensors()
+        if self.neural is not None:
+            tensors["neural.safetensors"] = self.neural.to_tensors()
+        with atomic_path(path) as tmp:
+            tmp.mkdir()
+            files = {}
+            for name, arrays in tensors.items():
+                save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp / name))
+                files[name] = {"sha256": _sha256(tmp / name)}
+            if self.report is not None:
+                (tmp / REPORT).write_text(json.dumps(self.report, indent=2) + "\n")
+                files[REPORT] = {"sha256": _sha256(tmp / REPORT)}
+            manifest = {
+                "format": FORMAT,
+                "format_version": FORMAT_VERSION,
+                "model": json.loads(self.meta.to_json()),
+                "fingerprint": self.fingerprint,
+                "affinity": {
+                    "confident_threshold": self.affinity.confident_threshold,
+                    "fallback": self.affinity.fallback_,
+                },
+                "distribution": {"momentum": self.distribution.momentum},
+                "transitions": self.transitions is not None,
+                "neural": self.neural.settings() if self.neural is not None else None,
+                "fit": self.fit_info,
+                "files": files,
+                "created_by": f"moeplan {__version__}",
+            }
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Predictor:
+        """Read a predictor directory, refusing wrong formats, versions and corrupt files."""
+        from safetensors import SafetensorError
+        from safetensors.numpy import load_file
+
+        path = Path(path)
+        manifest_path = path / MANIFEST
+        if not path.is_dir() or not manifest_path.is_file():
+            raise InputError(f"{path}: not a predictor directory (no {MANIFEST}); run moeplan fit")
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise SchemaError(f"{manifest_path}: not valid JSON ({e})") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            raise SchemaError(f"{manifest_path}: format is not {FORMAT!r}")
+        if manifest.get("format_version") != FORMAT_VERSION:
+            raise SchemaError(
+                f"{manifest_path}: format_version {manifest.get('format_version')!r} is not "
+                f"supported (expected {FORMAT_VERSION}); refit with this moeplan"
+            )
+        try:
+            meta = TraceMeta.from_json(json.dumps(manifest["model"]), where=str(manifest_path))
+            files = manifest["files"]
+            aff_settings = manifest["affinity"]
+        except (KeyError, TypeError) as e:
+            raise SchemaError(f"{manifest_path}: manifest lacks {e}") from None
+        if manifest.get("fingerprint") != meta.fingerprint():
+            raise SchemaError(f"{manifest_path}: fingerprint does not match the model metadata")
+        for name, info in files.items():
+            f = path / name
+            if not f.is_file():
+                raise SchemaError(f"{path}: file {name} listed in the manifest is missing")
+            if _sha256(f) != info.get("sha256"):
+                raise SchemaError(f"{f}: checksum mismatch; the file is corrupt or was edited")
+
+        def tensors(name: str) -> dict[str, np.ndarray]:
+            try:
+                return load_file(str(path / name))
+            except (SafetensorError, OSError) as e:
+                raise SchemaError(f"{path / name}: unreadable ({e})") from None
+
+        required = ("affinity.safetensors", "distribution.safetensors")
+        for name in required:
+            if name not in files:
+                raise SchemaError(f"{manifest_path}: manifest does not list {name}")
+        affinity = TokenExpertAffinity.from_tensors(
+            meta,
+            tensors("affinity.safetensors"),
+            fallback=aff_settings.get("fallback", "global"),
+            confident_threshold=float(aff_settings.get("confident_threshold", 0.5)),
+        )
+        distribution = DistributionPredictor.from_tensors(
+            tensors("distribution.safetensors"),
+            (manifest.get("distribution") or {}).get("momentum"),
+            (meta.num_layers, meta.num_experts),
+        )
+        transitions = None
+        if manifest.get("transitions"):
+            if "transitions.safetensors" not in files:
+                raise SchemaError(f"{manifest_path}: transitions are declared but not listed")
+            transitions = TopOneTransitions.from_tensors(
+                tensors("transitions.safetensors"), meta.num_experts
+            )
+        neural = None
+        if manifest.get("neural"):
+            if "neural.safetensors" not in files:
+                raise SchemaError(f"{manifest_path}: a neural predictor is declared but not listed")
+            neural = NeuralPredictor.from_tensors(
+                tensors("neural.safetensors"), manifest["neural"], meta.vocab_size
+            )
+        report = None
+        if REPORT in files:
+            report = json.loads((path / REPORT).read_text())
+        return cls(
+            meta, affinity, distribution, transitions, neural, manifest.get("fit") or {}, report
+        )
+
+
+def check_destination(path: str | Path) -> Path:
+    """``path`` as a Path if a predictor may be written there, else :class:`InputError`.
+
+    An existing predictor is replaced; a file or any other non-empty directory is refused.
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise InputError(f"{path}: exists and is a file; --out must name a directory")
+    if path.is_dir() and any(path.iterdir()) and not (path / MANIFEST).is_file():
+        raise InputError(
+            f"{path}: is a non-empty directory that is not a predictor; choose another --out"
+        )
+    return path
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def load_predictor(path: str | Path, meta: TraceMeta | None = None) -> Predictor:
+    """:meth:`Predictor.load`, then check it belongs to ``meta``'s model when given."""
+    p = Predictor.load(path)
+    if meta is not None:
+        p.check_compatible(meta)
+    return p

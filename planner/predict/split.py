@@ -1,0 +1,100 @@
+"""Seeded fit / held-out splits of routing data.
+
+- Traces are split by request (never by token), so no request has tokens on both sides:
+  held-out figures then measure generalisation to new prompts, as in the papers (which fit
+  on 20-25% of the profile and test on the rest).
+- Counts tables have no requests. :func:`thin_counts` splits them by binomial thinning:
+  every routed activation goes to the held-out side independently with probability
+  ``fraction``. That is a split by token occurrence (even by activation): a token seen in
+  held-out data is far more likely to also be in the fitting data than under a request
+  split, so figures from thinned counts are optimistic. Cross-domain evaluation (fit on
+  some domains, test on another) is the stricter alternative.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import sparse
+
+from planner.errors import InputError
+from planner.predict.counts import TokenExpertCounts
+
+
+def check_fraction(fraction: float, what: str = "holdout") -> float:
+    """``fraction`` as a float in the open interval (0, 1), else :class:`InputError`."""
+    try:
+        f = float(fraction)
+    except (TypeError, ValueError):
+        raise InputError(f"{what} fraction {fraction!r} is not a number") from None
+    if not 0.0 < f < 1.0:
+        raise InputError(f"{what} fraction {fraction!r} must lie strictly between 0 and 1")
+    return f
+
+
+@dataclass(frozen=True)
+class RequestSplit:
+    """Which requests are held out.
+
+    Attributes:
+        heldout_ids: [H] int64 sorted request ids on the held-out side.
+        num_requests: R distinct requests in the trace.
+        fraction: requested held-out share; ``H = round(fraction * R)`` clipped to [1, R-1].
+        seed: seed of the draw.
+    """
+
+    heldout_ids: np.ndarray
+    num_requests: int
+    fraction: float
+    seed: int
+
+    @classmethod
+    def make(cls, request_ids: np.ndarray, fraction: float, seed: int = 0) -> RequestSplit:
+        """Hold out a seeded random ``fraction`` of the distinct ``request_ids``."""
+        f = check_fraction(fraction)
+        ids = np.unique(np.asarray(request_ids, np.int64))
+        if ids.size < 2:
+            raise InputError(
+                f"a request-level split needs at least 2 requests, the trace has {ids.size}"
+            )
+        h = int(min(max(round(f * ids.size), 1), ids.size - 1))
+        rng = np.random.default_rng([int(seed), 0x5EED])
+        chosen = np.sort(rng.choice(ids, size=h, replace=False))
+        return cls(chosen, int(ids.size), f, int(seed))
+
+    def heldout_mask(self, request_id: np.ndarray) -> np.ndarray:
+        """[T] bool, rows of ``request_id`` [T] that belong to held-out requests."""
+        ids = self.heldout_ids
+        if ids.size == 0:
+            return np.zeros(np.shape(request_id), bool)
+        pos = np.minimum(np.searchsorted(ids, request_id), ids.size - 1)
+        return ids[pos] == request_id
+
+    def summary(self) -> dict:
+        return {
+            "kind": "request",
+            "fraction": self.fraction,
+            "seed": self.seed,
+            "requests": self.num_requests,
+            "heldout_requests": int(self.heldout_ids.size),
+        }
+
+
+def thin_counts(
+    counts: TokenExpertCounts, fraction: float, seed: int = 0
+) -> tuple[TokenExpertCounts, TokenExpertCounts]:
+    """(fit, held-out) counts: each activation held out with probability ``fraction``."""
+    f = check_fraction(fraction)
+    rng = np.random.default_rng([int(seed), 0x7417])
+    fit, held = [], []
+    for mat in counts.by_layer:
+        h = rng.binomial(mat.data, f).astype(np.int64)
+        for part, data in ((held, h), (fit, mat.data - h)):
+            m = sparse.csr_array((data, mat.indices.copy(), mat.indptr.copy()), shape=mat.shape)
+            m.eliminate_zeros()
+            part.append(m)
+    return (
+        TokenExpertCounts(counts.meta, tuple(fit), counts.domains),
+        TokenExpertCounts(counts.meta, tuple(held), counts.domains),
+    )

@@ -1,0 +1,107 @@
+"""``moeplan export`` / ``evaluate`` as a user runs them: files written, verified, errors one line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from planner.cli.main import main
+from planner.export import Bundle, save_bundle
+from planner.trace import TraceMeta, write_trace
+from tests.conftest import random_batch
+
+
+@pytest.fixture
+def plan_and_trace(tmp_path):
+    meta = TraceMeta(
+        "test/m", num_layers=3, num_experts=8, top_k=2, vocab_size=40, moe_layer_indices=(1, 2, 3)
+    )
+    rng = np.random.default_rng(0)
+    bundle = Bundle.from_arrays(
+        meta, ep_size=4, ngram_order=1,
+        expert_to_device=np.stack([rng.permutation(np.arange(8) // 2) for _ in range(3)]),
+        token_to_device=rng.integers(0, 4, (3, 40)), token_confidence=rng.random((3, 40)),
+        ngram_to_device=rng.integers(0, 4, (3, 4)), ngram_confidence=rng.random((3, 4)),
+        method="test", seed=3,
+    )  # fmt: skip
+    plan = save_bundle(bundle, tmp_path / "plan")
+    trace = write_trace(tmp_path / "held.parquet", meta, random_batch(meta, 200))
+    return plan, trace
+
+
+def test_export_all_formats_and_verify(tmp_path, plan_and_trace, capsys):
+    plan, _ = plan_and_trace
+    out = tmp_path / "bundle"
+    assert (
+        main(
+            [
+                "export",
+                str(plan),
+                "--out",
+                str(out),
+                "--format",
+                "moeplan,sglang,vllm-ascend,trtllm",
+            ]
+        )
+        == 0
+    )
+    names = {p.name for p in out.iterdir()}
+    assert {"tables.safetensors", "manifest.json", "sglang_expert_location.json"} <= names
+    assert any(n.endswith(".yaml") for n in names) and any("vllm" in n for n in names)
+    capsys.readouterr()
+    assert main(["export", "--verify", str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and report["ep_size"] == 4
+
+    single = tmp_path / "sglang.json"
+    assert main(["export", str(plan), "--out", str(single), "--format", "sglang"]) == 0
+    p2l = json.loads(single.read_text())["physical_to_logical_map"]
+    assert len(p2l) == 4 and sorted(p2l[1]) == list(range(8))  # model layers 0..3, MoE 1..3
+
+
+def test_verify_refuses_a_corrupt_bundle(tmp_path, plan_and_trace, capsys):
+    plan, _ = plan_and_trace
+    tables = plan / "tables.safetensors"
+    data = bytearray(tables.read_bytes())
+    data[-3] ^= 0xFF
+    tables.write_bytes(bytes(data))
+    assert main(["export", "--verify", str(plan)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "sha256" in err[0]
+
+
+def test_evaluate_prints_metrics(plan_and_trace, capsys):
+    plan, trace = plan_and_trace
+    assert main(["evaluate", str(plan), str(trace), "--json", "--hidden-size", "16"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    ov = report["overall"]
+    assert ov["tokens"] == 200 and 0 <= ov["lar_balanced"] <= 1
+    assert ov["all_to_all_bytes"] == ov["remote_activations"] * 16 * 2 * 2
+    assert [r["model_layer"] for r in report["per_layer"]] == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["export", "PLAN", "--out", "X", "--format", "onnx"], "unknown --format"),
+        (["export", "PLAN"], "--out is required"),
+        (["evaluate", "PLAN", "TRACE", "--slack", "0.5"], "--slack"),
+    ],
+)
+def test_user_errors(plan_and_trace, tmp_path, capsys, args, message):
+    plan, trace = plan_and_trace
+    args = [
+        str(plan)
+        if a == "PLAN"
+        else str(trace)
+        if a == "TRACE"
+        else str(tmp_path / "x")
+        if a == "X"
+        else a
+        for a in args
+    ]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]

@@ -1,0 +1,163 @@
+"""The token->expert table: confidence, top-k, top-1, fallbacks, persistence."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from planner.errors import InputError, SchemaError
+from planner.predict.affinity import TokenExpertAffinity, load_embeddings, nearest_known_tokens
+from planner.predict.counts import CountsAccumulator, counts_from_triples
+from planner.trace import TraceMeta
+from planner.trace.io import open_trace
+
+META = TraceMeta("test/aff", num_layers=2, num_experts=6, top_k=2, vocab_size=8)
+
+
+def hand_counts():
+    """Token 1: experts {0: 4, 3: 4, 5: 2}; token 2: {1: 2, 2: 2}; layer 1 only token 1."""
+    rows = [(0, 1, 0, 4), (0, 1, 3, 4), (0, 1, 5, 2), (0, 2, 1, 2), (0, 2, 2, 2), (1, 1, 4, 10)]
+    layer, tok, ex, cnt = (np.array(c) for c in zip(*rows, strict=True))
+    return counts_from_triples(META, layer, tok, ex, cnt)
+
+
+def test_confidence_topk_and_expected_activations():
+    aff = TokenExpertAffinity().fit(hand_counts())
+    cp = aff.confidence(0).toarray()
+    np.testing.assert_allclose(cp[1], [0.4, 0, 0, 0.4, 0, 0.2])
+    np.testing.assert_allclose(cp.sum(axis=1)[[1, 2]], 1.0)
+    assert cp[0].sum() == 0  # unseen token: empty row
+    np.testing.assert_array_equal(
+        aff.token_counts_[:3], [0, 5, 1]
+    )  # (10/2 + 10/2) / 2, (4/2 + 0)/2
+    w = aff.expected_activations(0)
+    np.testing.assert_allclose(w.sum(axis=1)[1], 10.0)
+    top = aff.predict_topk(np.array([1, 2]), 0)
+    assert sorted(top[0].tolist()) == [0, 3]
+    assert sorted(top[1].tolist()) == [1, 2]
+
+
+def test_ties_break_towards_popular_experts_and_short_rows_are_filled():
+    aff = TokenExpertAffinity().fit(hand_counts())
+    # Layer 1: token 1 saw only expert 4; its second expert is the layer's most popular
+    # among the rest (all zero load: the lowest id).
+    assert aff.predict_topk(np.array([1]), 1).tolist() == [[4, 0]]
+    # Layer 0 load: expert 0 and 3 have 4, 1 and 2 have 2, 5 has 2: 0 before 3 (lower id).
+    assert aff.predict_topk(np.array([1]), 0).tolist() == [[0, 3]]
+    assert aff.global_topk_[0].tolist() == [0, 3]
+
+
+def test_unseen_and_unknown_tokens_use_the_global_top_k():
+    aff = TokenExpertAffinity().fit(hand_counts())
+    assert aff.fallback_ == "global"
+    out = aff.predict_topk(np.array([7, -1]), 0)
+    assert out.tolist() == [aff.global_topk_[0].tolist()] * 2
+    with pytest.raises(InputError, match="outside"):
+        aff.predict_topk(np.array([8]), 0)
+    with pytest.raises(InputError, match="not fitted"):
+        TokenExpertAffinity().predict_topk(np.array([1]), 0)
+
+
+def test_embedding_fallback_borrows_the_nearest_known_token():
+    # Token 6 (unseen) points the same way as token 2; token 7 the same way as token 1.
+    emb = np.zeros((8, 3), np.float32)
+    emb[1] = [1, 0, 0]
+    emb[2] = [0, 1, 0]
+    emb[6] = [0.1, 2.0, 0.05]
+    emb[7] = [3.0, -0.2, 0.1]
+    aff = TokenExpertAffinity().fit(hand_counts(), emb)
+    assert aff.fallback_ == "embedding"
+    assert aff.nearest_known_[[1, 2, 6, 7]].tolist() == [1, 2, 2, 1]
+    assert aff.nearest_known_[0] == -1  # zero embedding: no neighbour
+    np.testing.assert_array_equal(
+        aff.predict_topk(np.array([6, 7]), 0), aff.predict_topk(np.array([2, 1]), 0)
+    )
+    glob = aff.without_embedding_fallback()
+    assert glob.predict_topk(np.array([6]), 0).tolist() == [aff.global_topk_[0].tolist()]
+    with pytest.raises(InputError, match="disagrees with the vocabulary"):
+        TokenExpertAffinity().fit(hand_counts(), emb[:5])
+
+
+def test_nearest_known_is_cosine_not_euclidean():
+    emb = np.array([[1.0, 0.0], [0.0, 10.0], [5.0, 0.5]], np.float32)
+    seen = np.array([True, True, False])
+    assert nearest_known_tokens(emb, seen).tolist() == [0, 1, 0]
+
+
+def test_load_embeddings_formats(tmp_path):
+    emb = np.random.default_rng(0).random((8, 4)).astype(np.float32)
+    np.save(tmp_path / "e.npy", emb)
+    save_file(
+        {"embeddings": emb.astype(np.float16), "other": np.zeros(3, np.float32)},
+        str(tmp_path / "e.safetensors"),
+    )
+    np.testing.assert_allclose(load_embeddings(tmp_path / "e.npy", 8), emb)
+    np.testing.assert_allclose(load_embeddings(tmp_path / "e.safetensors", 8), emb, atol=1e-3)
+    with pytest.raises(InputError, match="disagrees"):
+        load_embeddings(tmp_path / "e.npy", 9)
+    (tmp_path / "e.txt").write_text("x")
+    with pytest.raises(InputError):
+        load_embeddings(tmp_path / "e.txt", 8)
+
+
+def test_top1_is_the_most_frequent_rank0_expert(small_meta):
+    # Token 3 always routes to {5, 2} with 2 ranked first; the set's counts tie.
+    from tests.predict.conftest import chain_batch
+
+    tokens = np.array([3, 3, 3, 4])
+    batch = chain_batch(small_meta, tokens, np.array([0, 0, 1, 1]))
+    acc = CountsAccumulator(small_meta)
+    acc.add(batch.token_id, batch.experts)
+    aff = TokenExpertAffinity().fit(acc.result())
+    for layer in range(small_meta.num_layers):
+        top1 = aff.predict_top1(np.array([3, 4]), layer)
+        assert top1.tolist() == [(3 + layer) % 8, (4 + layer) % 8]
+        assert aff.predict_topk(np.array([3]), layer)[0, 0] == (3 + layer) % 8
+
+
+def test_tensor_round_trip_preserves_predictions(exact_trace):
+    path, _ = exact_trace
+    trace = open_trace(path)
+    acc = CountsAccumulator(trace.meta)
+    batch = trace.read_all()
+    acc.add(batch.token_id, batch.experts)
+    counts = acc.result()
+    emb = np.random.default_rng(0).random((trace.meta.vocab_size, 5)).astype(np.float32)
+    aff = TokenExpertAffinity(confident_threshold=0.3).fit(counts, emb)
+    back = TokenExpertAffinity.from_tensors(
+        trace.meta, aff.to_tensors(), fallback=aff.fallback_, confident_threshold=0.3
+    )
+    ids = np.arange(-1, trace.meta.vocab_size)
+    for layer in range(trace.meta.num_layers):
+        np.testing.assert_array_equal(back.predict_topk(ids, layer), aff.predict_topk(ids, layer))
+        np.testing.assert_array_equal(back.predict_top1(ids, layer), aff.predict_top1(ids, layer))
+    tensors = aff.to_tensors()
+    tensors["indices"] = tensors["indices"].copy()
+    tensors["indices"][0] = 99
+    with pytest.raises(SchemaError, match="outside"):
+        TokenExpertAffinity.from_tensors(
+            trace.meta, tensors, fallback="global", confident_threshold=0.5
+        )
+
+
+def test_seen_tokens_recover_their_preferred_sets(exact_trace):
+    path, gen = exact_trace
+    trace = open_trace(path)
+    acc = CountsAccumulator(trace.meta)
+    for b in trace.iter_batches(4096):
+        acc.add(b.token_id, b.experts)
+    aff = TokenExpertAffinity().fit(acc.result())
+    seen = np.flatnonzero(aff.seen_)
+    for layer in range(trace.meta.num_layers):
+        pred = np.sort(aff.predict_topk(seen, layer), axis=1)
+        truth = np.sort(gen.preferred_experts(seen, layer), axis=1)
+        np.testing.assert_array_equal(pred, truth)
+
+
+def test_layer_problem_inputs_are_compact_and_consistent():
+    aff = TokenExpertAffinity().fit(hand_counts())
+    ids, w, a = aff.layer_problem_inputs(0)
+    assert ids.tolist() == [1, 2]
+    np.testing.assert_allclose(w.sum(axis=1), [10, 4])
+    np.testing.assert_allclose(a, [5, 1])

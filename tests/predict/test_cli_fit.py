@@ -1,0 +1,130 @@
+"""``moeplan fit`` end to end: traces, counts tables, JSON output and one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from planner.cli.main import main
+from planner.predict.predictor import Predictor
+from tests.conftest import FLAME_TRACE, OLMOE_COUNTS, require
+from tests.predict.conftest import twin_trace
+
+
+def run_json(capsys, args) -> dict:
+    capsys.readouterr()
+    assert main(args) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_fit_trace_json_and_table(exact_trace, tmp_path, capsys):
+    path, _ = exact_trace
+    out = tmp_path / "pred"
+    data = run_json(capsys, ["fit", str(path), "--out", str(out), "--holdout", "0.5", "--json"])
+    assert data["report"]["table"]["seen"]["precision"]["overall"] == 1.0
+    assert data["fit"]["split"]["kind"] == "request"
+    assert Predictor.load(out).report == data["report"]
+    args = [
+        "fit",
+        str(path),
+        "--out",
+        str(out),
+        "--holdout",
+        "0.5",
+        "--neural",
+        "--neural-budget",
+        "1",
+    ]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "held-out token->expert prediction" in text and "predictor saved to" in text
+    assert "NN P" in text and "neural" in text and "µs/token" in text
+    # Without a hold-out: no report.
+    data = run_json(capsys, ["fit", str(path), "--out", str(out), "--json"])
+    assert data["report"] is None
+
+
+def test_embeddings_next_to_the_trace_are_used(tmp_path, capsys):
+    trace_dir = twin_trace(tmp_path / "trace")
+    args = ["fit", str(trace_dir), "--out", str(tmp_path / "p"), "--holdout", "0.5", "--json"]
+    data = run_json(capsys, args)
+    assert data["fit"]["embeddings"].endswith("embeddings.safetensors")
+    report = data["report"]
+    assert report["fallback"] == "embedding" and report["unseen_share"]["overall"] == 1.0
+    assert report["table"]["unseen"]["precision"]["overall"] == 1.0
+    assert report["unseen_with_global_fallback"]["precision"]["overall"] < 0.5
+    report = run_json(capsys, [*args, "--no-embeddings"])["report"]
+    assert report["fallback"] == "global" and report["unseen_with_global_fallback"] is None
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--holdout", "1.5"], "strictly between 0 and 1"),
+        (["--holdout", "0"], "strictly between 0 and 1"),
+        (["--embeddings", "EMB"], "disagrees with the vocabulary"),
+        (["--domain", "arxiv"], "apply to counts tables only"),
+    ],
+)
+def test_one_line_errors(exact_trace, tmp_path, capsys, args, message):
+    path, _ = exact_trace
+    np.save(tmp_path / "emb.npy", np.zeros((3, 4), np.float32))
+    args = [a.replace("EMB", str(tmp_path / "emb.npy")) for a in args]
+    capsys.readouterr()
+    assert main(["fit", str(path), "--out", str(tmp_path / "p"), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moeplan: error:") and message in err and "\n" not in err
+
+
+def test_inputs_and_outputs_that_are_not_what_they_should_be(exact_trace, tmp_path, capsys):
+    path, _ = exact_trace
+    (tmp_path / "junk.parquet").write_text("not parquet")
+    (tmp_path / "file").write_text("x")
+    for args, message in [
+        ([str(tmp_path / "junk.parquet"), "--out", str(tmp_path / "p")], "not a Parquet file"),
+        ([str(tmp_path / "missing"), "--out", str(tmp_path / "p")], "no such"),
+        ([str(path), "--out", str(tmp_path / "file")], "is a file"),
+    ]:
+        capsys.readouterr()
+        assert main(["fit", *args]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1
+
+
+def test_real_flame_trace(tmp_path, capsys):
+    path = require(FLAME_TRACE)
+    data = run_json(
+        capsys, ["fit", str(path), "--out", str(tmp_path / "p"), "--holdout", "0.8", "--json"]
+    )
+    report = data["report"]
+    assert report["split"]["heldout_requests"] == 26  # 0.8 of 32 requests
+    assert report["layers"] == [2, 3, 4, 5, 6, 7, 8, 9]
+    assert 0.0 < report["unseen_share"]["overall"] < 1.0
+    assert report["ngram"]["top1_device_accuracy"]["overall"] > 0.125  # above chance on 8 devices
+
+
+def test_real_counts_thinning_and_cross_domain(tmp_path, capsys):
+    path = require(OLMOE_COUNTS)
+    base = ["fit", str(path), "--model", "Mixtral", "--json"]
+    thin = run_json(capsys, [*base, "--out", str(tmp_path / "a"), "--holdout", "0.5"])["report"]
+    assert thin["split"]["kind"] == "thinning"
+    assert thin["table"]["all"]["top1"] is None and thin["ngram"]["available"] is False
+    p = thin["table"]["all"]["precision"]["overall"]
+    assert 2 / 8 < p <= 1.0  # better than chance for top-2 of 8
+    cross = run_json(
+        capsys,
+        [*base, "--out", str(tmp_path / "b"), "--domain", "arxiv", "--eval-domain", "github"],
+    )["report"]
+    assert cross["split"] == {
+        "kind": "domain",
+        "fit_domains": ["arxiv"],
+        "eval_domains": ["github"],
+    }
+    assert cross["unseen_share"]["overall"] > thin["unseen_share"]["overall"]
+    capsys.readouterr()
+    assert (
+        main([*base, "--out", str(tmp_path / "c"), "--domain", "arxiv", "--eval-domain", "arxiv"])
+        == 2
+    )

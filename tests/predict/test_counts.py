@@ -1,0 +1,186 @@
+"""Token-expert counts: the streaming accumulator, sorted merges and counts tables."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from planner.errors import InputError, SchemaError
+from planner.predict.counts import (
+    CountsAccumulator,
+    CountsSelection,
+    SortedKeyCounter,
+    TokenExpertCounts,
+    counts_from_triples,
+    merge_sorted_counts,
+    read_counts_table,
+    write_counts_table,
+)
+from planner.trace import TraceMeta
+from tests.conftest import OLMOE_COUNTS, random_batch, require
+
+
+def naive_counts(token_id, experts, rank0_only=False):
+    c = Counter()
+    for t in range(token_id.shape[0]):
+        if token_id[t] < 0:
+            continue
+        for layer in range(experts.shape[1]):
+            for e in experts[t, layer, :1] if rank0_only else experts[t, layer]:
+                c[(layer, int(token_id[t]), int(e))] += 1
+    return c
+
+
+def as_counter(mats) -> Counter:
+    c = Counter()
+    for layer, m in enumerate(mats):
+        coo = m.tocoo()
+        for j, e, v in zip(coo.row, coo.col, coo.data, strict=True):
+            c[(layer, int(j), int(e))] += int(v)
+    return c
+
+
+@pytest.mark.parametrize("vocab", [50, 3_000_000])  # uint32 keys, then uint64 keys
+def test_accumulator_matches_naive_counting(small_meta, vocab):
+    meta = TraceMeta(
+        "test/acc", small_meta.num_layers, small_meta.num_experts, small_meta.top_k, vocab
+    )
+    acc = CountsAccumulator(meta, buffer_keys=150)  # forces many flushes and merges
+    batches = [random_batch(meta, 97, seed=s) for s in range(5)]
+    batches[2].token_id[:10] = -1  # unknown tokens are skipped
+    for b in batches:
+        acc.add(b.token_id, b.experts)
+    got = acc.result()
+    tok = np.concatenate([b.token_id for b in batches])
+    ex = np.concatenate([b.experts for b in batches])
+    assert as_counter(got.by_layer) == naive_counts(tok, ex)
+    assert as_counter(got.top1_by_layer) == naive_counts(tok, ex, rank0_only=True)
+    assert acc.unknown_tokens == 10
+    for m in got.by_layer:
+        assert m.has_canonical_format and m.dtype == np.int64
+    # Row sums are k x occurrences of the token.
+    occ = np.bincount(tok[tok >= 0], minlength=vocab)
+    np.testing.assert_array_equal(got.token_activations()[0], meta.top_k * occ)
+
+
+def test_merge_sorted_counts_random():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        a = np.unique(rng.integers(0, 40, rng.integers(0, 25))).astype(np.uint64)
+        b = np.unique(rng.integers(0, 40, rng.integers(0, 25))).astype(np.uint64)
+        ca, cb = rng.integers(1, 9, a.size), rng.integers(1, 9, b.size)
+        keys, counts = merge_sorted_counts(a, ca, b, cb)
+        want = Counter(dict(zip(a.tolist(), ca.tolist(), strict=True)))
+        want.update(dict(zip(b.tolist(), cb.tolist(), strict=True)))
+        assert keys.tolist() == sorted(want)
+        assert counts.tolist() == [want[x] for x in sorted(want)]
+
+
+def test_sorted_key_counter_narrow_and_wide_keys_agree():
+    rng = np.random.default_rng(1)
+    chunks = [rng.integers(0, 1000, 300) for _ in range(6)]
+    narrow, wide = (
+        SortedKeyCounter(np.uint32, capacity=50),
+        SortedKeyCounter(np.uint64, capacity=50),
+    )
+    for c in chunks:
+        narrow.add_keys(c.astype(np.uint32))
+        wide.add_keys(c.astype(np.uint64))
+    kn, cn = narrow.result()
+    kw, cw = wide.result()
+    want = Counter(np.concatenate(chunks).tolist())
+    assert kn.tolist() == kw.tolist() == sorted(want)
+    assert cn.tolist() == cw.tolist() == [want[x] for x in sorted(want)]
+
+
+def test_counts_table_round_trip(tmp_path, small_meta):
+    rng = np.random.default_rng(2)
+    n = 60
+    layer = rng.integers(0, small_meta.num_layers, n)
+    tok = rng.integers(0, small_meta.vocab_size, n)
+    ex = rng.integers(0, small_meta.num_experts, n)
+    cnt = rng.integers(1, 5, n)
+    counts = counts_from_triples(small_meta, layer, tok, ex, cnt)
+    path = write_counts_table(tmp_path / "c.parquet", counts)
+    back = read_counts_table(path)
+    assert back.meta.fingerprint() != ""  # model name comes from the metadata
+    assert (back.meta.num_layers, back.meta.num_experts, back.meta.top_k, back.meta.vocab_size) == (
+        small_meta.num_layers, small_meta.num_experts, small_meta.top_k, small_meta.vocab_size,
+    )  # fmt: skip
+    assert as_counter(back.by_layer) == as_counter(counts.by_layer)
+    assert back.top1_by_layer is None
+
+
+def _olmoe_like(tmp_path):
+    """A small table in the layout of the real OLMoE export (model/domain, model layer ids)."""
+    rows = {
+        "model": ["org/OLMoE-1B-7B-x"] * 5 + ["org/Other"] * 2,
+        "domain": ["arxiv", "arxiv", "github", "github", "book", "arxiv", "arxiv"],
+        "layer": [0, 15, 0, 15, 15, 0, 0],
+        "token_id": [5, 5, 7, 7, 2, 1, 1],
+        "expert": [3, 2, 3, 9, 4, 0, 1],
+        "count": [8, 8, 16, 16, 8, 1, 1],
+    }
+    table = pa.table({
+        "model": pa.array(rows["model"]).dictionary_encode(),
+        "domain": pa.array(rows["domain"]).dictionary_encode(),
+        "layer": pa.array(rows["layer"], pa.int16()),
+        "token_id": pa.array(rows["token_id"], pa.int32()),
+        "expert": pa.array(rows["expert"], pa.int16()),
+        "count": pa.array(rows["count"], pa.int32()),
+    })  # fmt: skip
+    path = tmp_path / "olmoe_like.parquet"
+    pq.write_table(table.replace_schema_metadata({"source": "test"}), path)
+    return path
+
+
+def test_real_layout_selection_and_layer_mapping(tmp_path):
+    path = _olmoe_like(tmp_path)
+    with pytest.raises(InputError, match="several models"):
+        read_counts_table(path)
+    with pytest.raises(InputError, match="matches none"):
+        read_counts_table(path, CountsSelection(model="nothing"))
+    with pytest.raises(InputError, match="available: arxiv, book, github"):
+        read_counts_table(path, CountsSelection(model="OLMoE", domains=("wiki",)))
+    with pytest.raises(InputError, match="--num-experts"):
+        read_counts_table(path, CountsSelection(model="Other"))
+    c = read_counts_table(path, CountsSelection(model="olmoe"))  # substring, any case
+    assert c.meta.moe_layer_indices == (0, 15)
+    assert (c.meta.num_experts, c.meta.top_k, c.meta.vocab_size) == (64, 8, 50304)
+    assert c.domains == ("arxiv", "book", "github")
+    assert c.by_layer[1][7, 9] == 16 and c.by_layer[0][5, 3] == 8
+    arxiv = read_counts_table(path, CountsSelection(model="OLMoE", domains=("arxiv",)))
+    assert arxiv.total_activations() == 16
+    # A domain with counts at model layer 15 only still maps it to MoE layer 1.
+    book = read_counts_table(path, CountsSelection(model="OLMoE", domains=("book",)))
+    assert book.meta.moe_layer_indices == (0, 15) and book.by_layer[1][2, 4] == 8
+    assert book.meta.fingerprint() == arxiv.meta.fingerprint()
+    other = read_counts_table(
+        path, CountsSelection(model="Other", num_experts=4, top_k=1, vocab_size=10)
+    )
+    assert other.meta.num_layers == 1
+
+
+def test_counts_out_of_range_ids_are_refused(tmp_path):
+    path = _olmoe_like(tmp_path)
+    with pytest.raises(SchemaError, match="token_id 7 outside"):
+        read_counts_table(path, CountsSelection(model="OLMoE", vocab_size=6))
+
+
+def test_counts_meta_mismatch_is_refused(small_meta):
+    with pytest.raises(SchemaError):
+        TokenExpertCounts(small_meta, ())
+
+
+def test_real_olmoe_counts_read():
+    path = require(OLMOE_COUNTS)
+    c = read_counts_table(path, CountsSelection(model="Mixtral", domains=("arxiv",)))
+    assert (c.meta.num_experts, c.meta.top_k, c.meta.vocab_size) == (8, 2, 32000)
+    assert c.meta.moe_layer_indices == (0, 7, 15)
+    # Each layer holds k activations per token occurrence: ~209k tokens per domain.
+    per_layer = c.token_activations().sum(axis=1)
+    assert (per_layer == per_layer[0]).all() and per_layer[0] % 2 == 0

@@ -1,0 +1,59 @@
+"""The small neural token->expert predictor."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from planner.errors import InputError
+from planner.predict.counts import CountsAccumulator
+from planner.predict.neural import NeuralConfig, NeuralPredictor
+from planner.trace import TraceMeta
+from tests.predict.conftest import chain_batch
+
+META = TraceMeta("test/nn", num_layers=3, num_experts=8, top_k=2, vocab_size=40)
+
+
+def chain_counts(tokens=np.arange(30)):
+    batch = chain_batch(META, np.repeat(tokens, 3), np.zeros(tokens.size * 3, np.int64))
+    acc = CountsAccumulator(META)
+    acc.add(batch.token_id, batch.experts)
+    return acc.result()
+
+
+def precision(pred: np.ndarray, tokens: np.ndarray) -> float:
+    truth = (tokens[:, None, None] + np.arange(3)[None, :, None] + np.arange(2)[None, None, :]) % 8
+    return float((pred[..., :, None] == truth[..., None, :]).any(-1).mean())
+
+
+def test_learns_a_deterministic_mapping_and_is_seeded():
+    cfg = NeuralConfig(max_steps=300, time_budget_s=30, batch_size=64, seed=5)
+    nn = NeuralPredictor(cfg).fit(chain_counts())
+    tokens = np.arange(30)
+    assert precision(nn.predict_topk(tokens), tokens) > 0.95
+    assert (
+        nn.train_log_["steps"] == 300 and nn.train_log_["final_loss"] < nn.train_log_["first_loss"]
+    )
+    again = NeuralPredictor(cfg).fit(chain_counts())
+    np.testing.assert_array_equal(again.predict_topk(tokens), nn.predict_topk(tokens))
+
+
+def test_model_embeddings_let_it_generalise_to_unseen_tokens():
+    # Embedding = one-hot of (token mod 8): tokens 30..39 share the routing of 22..29, 30..31.
+    emb = np.eye(8, dtype=np.float32)[np.arange(40) % 8]
+    nn = NeuralPredictor(NeuralConfig(max_steps=300, batch_size=64)).fit(chain_counts(), emb)
+    assert nn.input_ == "model-embedding"
+    unseen = np.arange(30, 40)
+    assert precision(nn.predict_topk(unseen), unseen) > 0.95
+
+
+def test_tensor_round_trip_and_unknown_tokens():
+    nn = NeuralPredictor(NeuralConfig(max_steps=20)).fit(chain_counts())
+    back = NeuralPredictor.from_tensors(nn.to_tensors(), nn.settings(), META.vocab_size)
+    ids = np.array([-1, 0, 5, 39])
+    np.testing.assert_array_equal(back.predict_topk(ids), nn.predict_topk(ids))
+    assert nn.predict_topk(ids).shape == (4, 3, 2)
+    with pytest.raises(InputError):
+        nn.predict_topk(np.array([40]))
+    with pytest.raises(InputError):
+        NeuralConfig(hidden=0)

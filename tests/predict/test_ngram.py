@@ -1,0 +1,105 @@
+"""n-gram device tables fitted from top-1 transition counts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from planner.errors import InputError, MismatchError
+from planner.predict.ngram import (
+    TransitionAccumulator,
+    context_rows,
+    contiguous_placement,
+    evaluate_ngram_device_table,
+    fit_ngram_device_table,
+    predict_devices,
+)
+from planner.trace import TraceMeta
+from tests.predict.conftest import chain_batch
+
+META = TraceMeta("test/ngram", num_layers=5, num_experts=8, top_k=2, vocab_size=20)
+
+
+def transitions_of(batch):
+    acc = TransitionAccumulator(META.num_layers, META.num_experts)
+    acc.add(batch.experts[:7])
+    acc.add(batch.experts[7:])  # chunked: same result
+    return acc.result()
+
+
+def test_transition_tuples_on_a_hand_case():
+    batch = chain_batch(META, np.array([3, 3, 5]), np.array([0, 0, 1]))
+    t = transitions_of(batch)
+    keys, counts = t.layer(0)
+    assert keys.tolist() == [[-1, -1, -1, 3], [-1, -1, -1, 5]] and counts.tolist() == [2, 1]
+    keys, counts = t.layer(4)  # top-1 at layer l is (token + l) % 8
+    assert keys.tolist() == [[4, 5, 6, 7], [6, 7, 0, 1]] and counts.tolist() == [2, 1]
+
+
+def test_row_layout_is_base_e_with_the_most_recent_layer_last():
+    assert context_rows(np.array([[1, 2], [3, 0]]), 4).tolist() == [1 * 4 + 2, 3 * 4 + 0]
+
+
+def test_deterministic_chain_gives_confidence_one_and_the_right_device():
+    tokens = np.repeat(np.arange(20), 3)
+    batch = chain_batch(META, tokens, np.arange(tokens.size) // 6)
+    t = transitions_of(batch)
+    ep = 4
+    # A scrambled placement: device of expert e at layer l = (e + l) % 4 ... any valid map works.
+    e2d = np.array([[(e * 3 + layer) % ep for e in range(8)] for layer in range(5)], np.int16)
+    table = fit_ngram_device_table(t, e2d, ep, order=2)
+    assert table.to_device.shape == (5, ep**2) and table.to_device.dtype == np.int16
+    assert table.confidence.dtype == np.float16
+    assert (table.confidence[:2] == 0).all()  # l < n: undefined
+    checked = 0
+    for layer in range(2, 5):
+        seen_rows = set()
+        for tok in range(20):
+            e = [(tok + x) % 8 for x in (layer - 2, layer - 1, layer)]
+            row = e2d[layer - 2, e[0]] * ep + e2d[layer - 1, e[1]]
+            seen_rows.add(row)
+            want = e2d[layer, e[2]]
+            # Several tokens may share a device context; confidence is 1 only if they agree.
+            devices = {
+                e2d[layer, (t2 + layer) % 8]
+                for t2 in range(20)
+                if e2d[layer - 2, (t2 + layer - 2) % 8] * ep + e2d[layer - 1, (t2 + layer - 1) % 8]
+                == row
+            }
+            if len(devices) == 1:
+                assert table.to_device[layer, row] == want
+                assert table.confidence[layer, row] == 1.0
+                checked += 1
+        unseen = [r for r in range(ep**2) if r not in seen_rows]
+        assert all(table.confidence[layer, r] == 0 for r in unseen)
+    assert checked >= 20
+    ev = evaluate_ngram_device_table(table, [batch.experts], e2d, META.top_k).summary()
+    assert ev["top1_device_accuracy"]["per_layer"][:2] == [None, None]
+
+
+def test_identity_chain_with_contiguous_placement_is_perfectly_predictable():
+    tokens = np.arange(8).repeat(4)
+    batch = chain_batch(META, tokens, np.arange(tokens.size) // 4)
+    e2d = contiguous_placement(META.num_layers, META.num_experts, 8)  # one expert per device
+    table = fit_ngram_device_table(transitions_of(batch), e2d, 8, order=1)
+    ev = evaluate_ngram_device_table(table, [batch.experts], e2d, META.top_k).summary()
+    assert ev["top1_device_accuracy"]["overall"] == 1.0
+    device, conf = predict_devices(table, batch.experts, e2d)
+    assert (conf[:, 1:] == 1.0).all() and (conf[:, 0] == 0).all()
+    np.testing.assert_array_equal(device[:, 1:], batch.experts[:, 1:, 0])
+
+
+def test_orders_one_to_three_and_bad_arguments():
+    batch = chain_batch(META, np.arange(10), np.zeros(10, np.int64))
+    t = transitions_of(batch)
+    e2d = contiguous_placement(5, 8, 2)
+    for n in (1, 2, 3):
+        table = fit_ngram_device_table(t, e2d, 2, order=n)
+        assert table.to_device.shape == (5, 2**n)
+        assert (table.confidence[:n] == 0).all() and (table.confidence[n:].max(axis=1) > 0).all()
+    with pytest.raises(InputError):
+        fit_ngram_device_table(t, e2d, 2, order=4)
+    with pytest.raises(InputError):
+        fit_ngram_device_table(t, e2d, 3)
+    with pytest.raises(MismatchError):
+        fit_ngram_device_table(t, e2d[:4], 2)
