@@ -53,7 +53,7 @@ def peak_rss_mib() -> float:
 def child(mode: str, trace: str) -> dict:
     """One measurement in this (fresh) process; returns timings and peak RSS."""
     from planner.predict.counts import CountsAccumulator
-    from planner.predict.fit import FitConfig, fit_predictor, routing_rows
+    from planner.predict.fit import FitConfig, fit_predictor
     from planner.predict.ngram import TransitionAccumulator
     from planner.trace.io import open_trace
 
@@ -74,7 +74,7 @@ def child(mode: str, trace: str) -> dict:
         }
     else:
         t = open_trace(trace)
-        rows = list(routing_rows(t, 65536))
+        rows = list(t.iter_batches(65536, weights=False))
         base_rss = peak_rss_mib()
         t0 = time.perf_counter()
         acc = CountsAccumulator(t.meta)

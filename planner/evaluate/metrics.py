@@ -110,7 +110,7 @@ def _chunks(trace: Trace, size: int):
     """Consecutive trace-order blocks of exactly ``size`` rows (the last may be shorter)."""
     pending: list[TraceBatch] = []
     have = 0
-    for batch in trace.iter_batches(batch_rows=max(size, 65536 // size * size)):
+    for batch in trace.iter_batches(batch_rows=max(size, 65536 // size * size), weights=False):
         pending.append(batch)
         have += len(batch)
         if have < size:

@@ -124,13 +124,6 @@ def error_rate(p_hat: np.ndarray, p: np.ndarray) -> np.ndarray:
     return np.abs(p_hat - p).mean(axis=1) * p.shape[1]
 
 
-def load_skewness(load: np.ndarray) -> np.ndarray:
-    """[L] max / mean routed activations per expert (MoE-GPS's skewness; 1.0 = even)."""
-    load = np.asarray(load, np.float64)
-    mean = load.mean(axis=1)
-    return np.divide(load.max(axis=1), mean, out=np.full(mean.shape, np.nan), where=mean > 0)
-
-
 def batch_load(experts: np.ndarray, num_experts: int) -> np.ndarray:
     """[L, N] int64 routed activations of each expert in ``experts`` [T, L, k]."""
     return np.stack(

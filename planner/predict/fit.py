@@ -18,9 +18,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 
-from planner.errors import InputError, SchemaError
+from planner.errors import InputError
 from planner.predict.affinity import TokenExpertAffinity, load_embeddings
 from planner.predict.counts import (
     CountsAccumulator,
@@ -35,64 +34,10 @@ from planner.predict.neural import NeuralConfig, NeuralPredictor
 from planner.predict.ngram import TransitionAccumulator
 from planner.predict.predictor import Predictor
 from planner.predict.split import RequestSplit, check_fraction, thin_counts
-from planner.trace.io import DEFAULT_BATCH_ROWS, Trace, open_trace
+from planner.trace.io import DEFAULT_BATCH_ROWS, open_trace
 
 # Written next to the trace parts by ``moeplan profile --save-embeddings``.
 PROFILE_EMBEDDINGS = "embeddings.safetensors"
-# The columns fitting reads: gate weights are not needed.
-_ROUTING_COLUMNS = ["request_id", "token_id", "experts"]
-
-
-@dataclass(frozen=True)
-class RoutingRows:
-    """Trace rows without gate weights: request_id [T] int64, token_id [T] int32,
-    experts [T, L, k] int16 (the attributes of :class:`TraceBatch` that fitting uses)."""
-
-    request_id: np.ndarray
-    token_id: np.ndarray
-    experts: np.ndarray
-
-    def __len__(self) -> int:
-        return int(self.request_id.shape[0])
-
-    def select(self, mask: np.ndarray) -> RoutingRows:
-        return RoutingRows(self.request_id[mask], self.token_id[mask], self.experts[mask])
-
-
-def routing_rows(trace: Trace, batch_rows: int) -> Iterator[RoutingRows]:
-    """Stream ``trace`` as :class:`RoutingRows`, range-checked like ``Trace.iter_batches``.
-
-    Skipping the float16 ``weights`` column matters: pyarrow decodes it several times
-    slower than all the other columns together, and fitting never reads it.
-    """
-    m = trace.meta
-    for part in trace.parts:
-        for rb in pq.ParquetFile(part).iter_batches(
-            batch_size=batch_rows, columns=_ROUTING_COLUMNS
-        ):
-            t = rb.num_rows
-            experts = rb.column(2).flatten().to_numpy(zero_copy_only=False)
-            rows = RoutingRows(
-                rb.column(0).to_numpy(zero_copy_only=False).astype(np.int64, copy=False),
-                rb.column(1).to_numpy(zero_copy_only=False).astype(np.int32, copy=False),
-                experts.astype(np.int16, copy=False).reshape(t, m.num_layers, m.top_k),
-            )
-            if t:
-                _check_ids(rows, m, part)
-            yield rows
-
-
-def _check_ids(rows: RoutingRows, m, part: Path) -> None:
-    lo, hi = int(rows.experts.min()), int(rows.experts.max())
-    if lo < 0 or hi >= m.num_experts:
-        raise SchemaError(
-            f"{part}: expert id {lo if lo < 0 else hi} outside [0, {m.num_experts}) declared by num_experts"
-        )
-    lo, hi = int(rows.token_id.min()), int(rows.token_id.max())
-    if lo < -1 or hi >= m.vocab_size:
-        raise SchemaError(
-            f"{part}: token id {lo if lo < -1 else hi} outside [-1, {m.vocab_size}) (vocab_size)"
-        )
 
 
 @dataclass(frozen=True)
@@ -199,7 +144,7 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
     fit_tokens = 0
     t0 = time.perf_counter()
     with _progress(config.progress, "fitting", trace.num_rows) as advance:
-        for batch in routing_rows(trace, config.batch_rows):
+        for batch in trace.iter_batches(config.batch_rows, weights=False):
             advance(len(batch))
             if split is not None:
                 batch = batch.select(~split.heldout_mask(batch.request_id))
@@ -243,7 +188,7 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
         )
         evaluator = TraceEvaluator(parts)
         with _progress(config.progress, "scoring held-out", trace.num_rows) as advance:
-            for batch in routing_rows(trace, config.batch_rows):
+            for batch in trace.iter_batches(config.batch_rows, weights=False):
                 advance(len(batch))
                 held = batch.select(split.heldout_mask(batch.request_id))
                 if len(held):

@@ -39,7 +39,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 from scipy import sparse
@@ -51,7 +50,6 @@ from planner.predict.distribution import (
     batch_load,
     empirical_distribution,
     error_rate,
-    load_skewness,
 )
 from planner.predict.neural import NeuralPredictor
 from planner.predict.ngram import (
@@ -61,10 +59,8 @@ from planner.predict.ngram import (
     contiguous_placement,
     fit_ngram_device_table,
 )
+from planner.trace.info import load_skewness
 from planner.trace.io import TraceBatch
-
-if TYPE_CHECKING:
-    from planner.predict.fit import RoutingRows
 
 NOT_FROM_COUNTS = (
     "not computable from a counts table: it keeps (token, expert) totals, not which k "
@@ -281,7 +277,7 @@ class TraceEvaluator:
                 np.zeros(big_l, np.int64), np.zeros(big_l, np.int64), m.top_k,
             )  # fmt: skip
 
-    def add(self, batch: TraceBatch | RoutingRows) -> None:
+    def add(self, batch: TraceBatch) -> None:
         """Score held-out rows (only ``token_id`` [T] and ``experts`` [T, L, k] are read)."""
         aff, k = self.parts.affinity, self.meta.top_k
         tok = batch.token_id.astype(np.int64)

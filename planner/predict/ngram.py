@@ -23,6 +23,7 @@ import numpy as np
 
 from planner.errors import InputError, MismatchError, SchemaError
 from planner.predict.counts import SortedKeyCounter
+from planner.runtime_shim.tables import ngram_row_index
 
 MAX_ORDER = 3
 _WIDTH = MAX_ORDER + 1  # experts per tuple: three context layers and the current one
@@ -183,14 +184,6 @@ def _check_placement(
     return e2d.astype(np.int64)
 
 
-def context_rows(devices: np.ndarray, ep_size: int) -> np.ndarray:
-    """[T] row index of contexts ``devices`` [T, n] (oldest layer first, most recent last)."""
-    rows = np.zeros(devices.shape[0], np.int64)
-    for i in range(devices.shape[1]):
-        rows = rows * ep_size + devices[:, i]
-    return rows
-
-
 def fit_ngram_device_table(
     transitions: TopOneTransitions,
     expert_to_device: np.ndarray,
@@ -232,7 +225,7 @@ def fit_ngram_device_table(
             axis=1,
         )
         joint = np.bincount(
-            context_rows(ctx, ep_size) * ep_size + target,
+            ngram_row_index(ctx, ep_size) * ep_size + target,
             weights=counts.astype(np.float64),
             minlength=rows_per_layer * ep_size,
         ).reshape(rows_per_layer, ep_size)
@@ -268,7 +261,7 @@ def predict_devices(
         if layer < n:
             device[:, layer] = table.to_device[layer, 0]
             continue
-        rows = context_rows(top1_dev[:, layer - n : layer], table.ep_size)
+        rows = ngram_row_index(top1_dev[:, layer - n : layer], table.ep_size)
         device[:, layer] = table.to_device[layer, rows]
         conf[:, layer] = table.confidence[layer, rows]
     return device, conf

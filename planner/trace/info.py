@@ -11,6 +11,14 @@ from planner.trace.io import TraceBatch, open_trace
 from planner.trace.schema import TraceMeta
 
 
+def load_skewness(load: np.ndarray) -> np.ndarray:
+    """[L] max / mean routed activations per expert of ``load`` [L, N] (MoE-GPS's skewness;
+    1.0 = even, NaN for a layer with no load)."""
+    load = np.asarray(load, np.float64)
+    mean = load.mean(axis=1)
+    return np.divide(load.max(axis=1), mean, out=np.full(mean.shape, np.nan), where=mean > 0)
+
+
 class LoadAccumulator:
     """Streams trace batches and accumulates what a summary needs.
 
@@ -38,8 +46,7 @@ class LoadAccumulator:
     @property
     def skewness(self) -> np.ndarray:
         """[L] max/mean expert load per layer (1.0 = perfectly even)."""
-        mean = self.load.mean(axis=1)
-        return np.where(mean > 0, self.load.max(axis=1) / np.maximum(mean, 1e-12), np.nan)
+        return load_skewness(self.load)
 
     def summary(self) -> dict:
         skew = self.skewness

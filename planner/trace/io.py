@@ -40,7 +40,8 @@ class TraceBatch:
         position: [T] int32.
         token_id: [T] int32, -1 when unknown.
         experts: [T, L, k] int16, rank-r expert of layer l at ``experts[t, l, r]``.
-        weights: [T, L, k] float16, descending along the last axis.
+        weights: [T, L, k] float16, descending along the last axis; None when the
+            reader was asked to skip them (``iter_batches(weights=False)``).
         extras: other columns that were asked for by name, each [T].
     """
 
@@ -48,7 +49,7 @@ class TraceBatch:
     position: np.ndarray
     token_id: np.ndarray
     experts: np.ndarray
-    weights: np.ndarray
+    weights: np.ndarray | None
     extras: dict[str, np.ndarray] = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -95,7 +96,7 @@ class TraceBatch:
             np.concatenate([b.position for b in batches]),
             np.concatenate([b.token_id for b in batches]),
             np.concatenate([b.experts for b in batches]),
-            np.concatenate([b.weights for b in batches]),
+            None if batches[0].weights is None else np.concatenate([b.weights for b in batches]),
             {k: np.concatenate([b.extras[k] for b in batches]) for k in keys},
         )
 
@@ -107,7 +108,7 @@ class TraceBatch:
             self.position[m],
             self.token_id[m],
             self.experts[m],
-            self.weights[m],
+            None if self.weights is None else self.weights[m],
             {k: v[m] for k, v in self.extras.items()},
         )
 
@@ -117,7 +118,7 @@ class TraceBatch:
         want = (t, meta.num_layers, meta.top_k)
         if self.experts.shape != want:
             raise SchemaError(f"{where}: experts shape {self.experts.shape}, metadata says {want}")
-        if self.weights.shape != want:
+        if self.weights is not None and self.weights.shape != want:
             raise SchemaError(f"{where}: weights shape {self.weights.shape}, metadata says {want}")
         if t == 0:
             return
@@ -135,6 +136,8 @@ class TraceBatch:
             )
 
     def to_table(self, meta: TraceMeta) -> pa.Table:
+        if self.weights is None:
+            raise SchemaError("cannot write a batch read without its weights column")
         schema = arrow_schema(meta)
         width = meta.row_width
         t = len(self)
@@ -166,15 +169,21 @@ def _batch_from_record_batch(
     rb: pa.RecordBatch, meta: TraceMeta, extras: tuple[str, ...]
 ) -> TraceBatch:
     t = rb.num_rows
-    col = rb.column
     names = rb.schema.names
+
+    def col(name: str) -> np.ndarray:
+        return rb.column(names.index(name)).to_numpy(zero_copy_only=False)
+
+    weights = None
+    if "weights" in names:
+        weights = _list_values(rb.column(names.index("weights")), t, meta, np.float16)
     return TraceBatch(
-        col(names.index("request_id")).to_numpy(zero_copy_only=False).astype(np.int64, copy=False),
-        col(names.index("position")).to_numpy(zero_copy_only=False).astype(np.int32, copy=False),
-        col(names.index("token_id")).to_numpy(zero_copy_only=False).astype(np.int32, copy=False),
-        _list_values(col(names.index("experts")), t, meta, np.int16),
-        _list_values(col(names.index("weights")), t, meta, np.float16),
-        {e: col(names.index(e)).to_numpy(zero_copy_only=False) for e in extras},
+        col("request_id").astype(np.int64, copy=False),
+        col("position").astype(np.int32, copy=False),
+        col("token_id").astype(np.int32, copy=False),
+        _list_values(rb.column(names.index("experts")), t, meta, np.int16),
+        weights,
+        {e: col(e) for e in extras},
     )
 
 
@@ -248,10 +257,16 @@ class Trace:
         batch_rows: int = DEFAULT_BATCH_ROWS,
         *,
         extras: tuple[str, ...] = (),
+        weights: bool = True,
         validate: bool = True,
     ) -> Iterator[TraceBatch]:
-        """Stream the trace as :class:`TraceBatch` blocks of at most ``batch_rows`` rows."""
-        columns = list(REQUIRED_COLUMNS) + list(extras)
+        """Stream the trace as :class:`TraceBatch` blocks of at most ``batch_rows`` rows.
+
+        ``weights=False`` skips the gate-weight column (``batch.weights`` is None): pyarrow
+        decodes float16 lists several times slower than all other columns together, and
+        most stages (fit, evaluate) never read the weights.
+        """
+        columns = [c for c in REQUIRED_COLUMNS if weights or c != "weights"] + list(extras)
         for part, schema in zip(self.parts, self._schemas, strict=True):
             missing = [e for e in extras if e not in schema.names]
             if missing:

@@ -11,8 +11,8 @@ from planner.predict.distribution import (
     batch_load,
     empirical_distribution,
     error_rate,
-    load_skewness,
 )
+from planner.trace.info import load_skewness
 
 
 def test_error_rate_is_mean_abs_error_over_uniform_share():
@@ -62,13 +62,13 @@ def test_skewness_and_batch_load():
 
 
 def test_fit_feeds_trace_batches_to_a_moving_average(exact_trace):
-    from planner.predict.fit import FitConfig, fit_predictor, routing_rows
+    from planner.predict.fit import FitConfig, fit_predictor
     from planner.trace.io import open_trace
 
     path, _ = exact_trace
     mle = fit_predictor(path, FitConfig()).predictor.distribution
     trace = open_trace(path)
-    rows = list(routing_rows(trace, 5000))
+    rows = list(trace.iter_batches(5000, weights=False))
     total = sum(batch_load(r.experts, trace.meta.num_experts) for r in rows)
     np.testing.assert_allclose(mle.predict(), empirical_distribution(total))
     last = fit_predictor(path, FitConfig(distribution_momentum=1.0, batch_rows=5000))

@@ -8,12 +8,12 @@ import pytest
 from planner.errors import InputError, MismatchError
 from planner.predict.ngram import (
     TransitionAccumulator,
-    context_rows,
     contiguous_placement,
     evaluate_ngram_device_table,
     fit_ngram_device_table,
     predict_devices,
 )
+from planner.runtime_shim.tables import ngram_row_index
 from planner.trace import TraceMeta
 from tests.predict.conftest import chain_batch
 
@@ -37,7 +37,7 @@ def test_transition_tuples_on_a_hand_case():
 
 
 def test_row_layout_is_base_e_with_the_most_recent_layer_last():
-    assert context_rows(np.array([[1, 2], [3, 0]]), 4).tolist() == [1 * 4 + 2, 3 * 4 + 0]
+    assert ngram_row_index(np.array([[1, 2], [3, 0]]), 4).tolist() == [1 * 4 + 2, 3 * 4 + 0]
 
 
 def test_deterministic_chain_gives_confidence_one_and_the_right_device():
