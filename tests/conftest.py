@@ -16,6 +16,9 @@ REALDATA = SHARED / "realdata"
 FLAME_TRACE = REALDATA / "flame-moe-290m-prefill.parquet"
 OLMOE_COUNTS = REALDATA / "olmoe-mixtral-token-expert-counts.parquet"
 
+# Idle OpenMP threads busy-wait by default, which makes small torch ops many times slower on
+# a 2-core machine shared with other processes.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Tests must never reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
