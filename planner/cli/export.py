@@ -11,7 +11,7 @@ from rich.table import Table
 from planner.cli.app import app, console
 from planner.errors import InputError, SchemaError
 from planner.evaluate import EvalConfig, evaluate_bundle
-from planner.export import FORMATS, export_plan, load_bundle_arrays, verify_bundle
+from planner.export import FORMATS, export_plan, load_tables, verify_bundle
 from planner.export.engines import get_format
 from planner.trace import open_trace
 
@@ -88,7 +88,7 @@ def export(
     if not out:
         raise InputError("--out is required (or pass --verify to check a bundle)")
     names = _parse_formats(formats)
-    bundle = load_bundle_arrays(plan)
+    bundle = load_tables(plan)
     engines = [n for n in names if n != "moeplan"]
     if "moeplan" not in names and len(engines) == 1:
         from planner._io import write_bytes_atomic
@@ -156,7 +156,7 @@ def evaluate(
         raise InputError(
             "--batch-tokens must be > 0, --slack >= 1, --hidden-size >= 0, --dtype-bytes > 0"
         )
-    bundle = load_bundle_arrays(plan)
+    bundle = load_tables(plan)
     report = evaluate_bundle(
         bundle, open_trace(heldout), EvalConfig(batch_tokens, slack, hidden_size, dtype_bytes)
     )

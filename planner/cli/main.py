@@ -11,6 +11,7 @@ from planner.cli import export as _export  # noqa: F401
 # Importing the command modules registers their commands on the apps.
 from planner.cli import fit as _fit  # noqa: F401
 from planner.cli import profile as _profile  # noqa: F401
+from planner.cli import solve as _solve  # noqa: F401
 from planner.cli import trace as _trace  # noqa: F401
 from planner.cli.app import app
 from planner.errors import MoeplanError

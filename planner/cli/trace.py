@@ -139,3 +139,23 @@ def ingest_sglang(
         f"dropped {s['dropped_tokens']} padded tokens and {s['duplicate_records']} replica records; "
         "weights are uniform 1/k (SGLang records ids only)"
     )
+
+
+@trace_app.command("split")
+def split(
+    path: str = typer.Argument(..., help="Trace to split by request."),
+    fit_out: str = typer.Option(..., "--fit-out", help="Trace directory for the fitting side."),
+    heldout_out: str = typer.Option(
+        ..., "--heldout-out", help="Trace directory for the held-out side."
+    ),
+    holdout: float = typer.Option(0.5, "--holdout", help="Share of requests held out, in (0, 1)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the split (same as `fit --seed`)."),
+) -> None:
+    """Split a trace by request into a fitting trace and a held-out trace."""
+    from planner.predict.split import split_trace
+
+    s = split_trace(path, fit_out, heldout_out, holdout, seed)
+    console.print(
+        f"{s['requests']} requests: {s['requests'] - s['heldout_requests']} ({s['fit_tokens']} tokens) -> "
+        f"{fit_out}, {s['heldout_requests']} ({s['heldout_tokens']} tokens) -> {heldout_out}"
+    )

@@ -5,7 +5,6 @@
 - :mod:`planner.export.api`      :func:`export_plan`, what ``moeplan export`` calls
 """
 
-from planner.export.api import export_plan
 from planner.export.bundle import (
     FORMAT,
     FORMAT_VERSION,
@@ -24,6 +23,19 @@ from planner.export.engines import (
     write_engine_file,
 )
 
+# The api module converts solver plans, so it imports the solve stage; load it on first use
+# so that ``planner.export.bundle`` stays importable from lower stages without a cycle.
+_API = ("bundle_from_plan", "export_plan", "load_tables")
+
+
+def __getattr__(name: str):
+    if name in _API:
+        from planner.export import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'planner.export' has no attribute {name!r}")
+
+
 __all__ = [
     "FORMAT",
     "FORMATS",
@@ -32,7 +44,9 @@ __all__ = [
     "EngineFormat",
     "EnginePlacement",
     "check_compatible",
+    "bundle_from_plan",
     "export_plan",
+    "load_tables",
     "load_bundle_arrays",
     "permutation_from_placement",
     "render_engine_file",

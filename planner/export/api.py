@@ -11,8 +11,52 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from planner.export.bundle import Bundle, save_bundle, verify_bundle
+import numpy as np
+
+from planner.export.bundle import Bundle, load_bundle_arrays, save_bundle, verify_bundle
 from planner.export.engines import EnginePlacement, get_format
+from planner.solve.pipeline import plan_meta
+from planner.solve.plan import Plan
+
+
+def bundle_from_plan(plan: Plan, metrics: dict[str, Any] | None = None) -> Bundle:
+    """The bundle v1 tables of a plan (validated, int16 / float16).
+
+    A plan without n-gram tables (its predictor came from a counts table) gets an order-1
+    n-gram table with confidence 0 everywhere, so the runtime always uses the token table.
+    """
+    big_l, e = plan.expert_to_device.shape[0], plan.ep_size
+    order = plan.ngram_order or 1
+    ngram_dev, ngram_conf = plan.ngram_to_device, plan.ngram_confidence
+    if ngram_dev is None:
+        ngram_dev = np.zeros((big_l, e**order), np.int16)
+        ngram_conf = np.zeros((big_l, e**order), np.float16)
+    if metrics is None:
+        metrics = {
+            "solver_local_rate": [round(r["local_rate"], 6) for r in plan.reports],
+            "solver_token_imbalance": [round(r["token_imbalance"], 6) for r in plan.reports],
+        }
+    return Bundle.from_arrays(
+        plan_meta(plan),
+        ep_size=e,
+        ngram_order=order,
+        expert_to_device=plan.expert_to_device,
+        token_to_device=plan.token_to_device,
+        token_confidence=plan.token_confidence,
+        ngram_to_device=ngram_dev,
+        ngram_confidence=ngram_conf,
+        method=plan.method,
+        seed=int(plan.seed),
+        metrics=metrics,
+    )
+
+
+def load_tables(path: str | os.PathLike) -> Bundle:
+    """A plan directory (``plan.json``) or a bundle directory, as bundle tables."""
+    p = Path(path)
+    if (p / "plan.json").is_file():
+        return bundle_from_plan(Plan.load(p))
+    return load_bundle_arrays(p)
 
 
 def export_plan(

@@ -80,6 +80,29 @@ def _created_by() -> str:
 # Placement helpers
 
 
+def ngram_row_index(prev_devices, ep_size: int):
+    """Row of the n-gram table for the devices of the previous n layers' top-1 experts.
+
+    Args:
+        prev_devices: [..., n] device ids in [0, E) (numpy array or torch tensor), layer
+            order, most recent layer last.
+        ep_size: E.
+
+    Returns:
+        [...] int64 (same array type) base-E number with the most recent layer as the least
+        significant digit: ``sum_j prev_devices[..., j] * E**(n-1-j)``.
+    """
+    wide = (
+        prev_devices.astype(np.int64)
+        if isinstance(prev_devices, np.ndarray)
+        else prev_devices.long()
+    )
+    rows = wide[..., 0]
+    for j in range(1, wide.shape[-1]):
+        rows = rows * ep_size + wide[..., j]
+    return rows
+
+
 def permutation_from_placement(expert_to_device: np.ndarray, ep_size: int) -> np.ndarray:
     """Physical slot order for a placement: device 0's experts first, ascending id within.
 

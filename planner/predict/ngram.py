@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.errors import InputError, MismatchError, SchemaError
+from planner.export.bundle import ngram_row_index
 from planner.predict.counts import SortedKeyCounter
-from planner.runtime_shim.tables import ngram_row_index
 
 MAX_ORDER = 3
 _WIDTH = MAX_ORDER + 1  # experts per tuple: three context layers and the current one

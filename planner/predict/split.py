@@ -14,12 +14,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from scipy import sparse
 
+from planner._io import atomic_path
 from planner.errors import InputError
 from planner.predict.counts import TokenExpertCounts
+from planner.trace.io import TraceWriter, open_trace
 
 
 def check_fraction(fraction: float, what: str = "holdout") -> float:
@@ -98,3 +101,30 @@ def thin_counts(
         TokenExpertCounts(counts.meta, tuple(fit), counts.domains),
         TokenExpertCounts(counts.meta, tuple(held), counts.domains),
     )
+
+
+def split_trace(
+    path: str | Path, fit_out: str | Path, heldout_out: str | Path, fraction: float, seed: int = 0
+) -> dict:
+    """Write the fit and held-out sides of a request split as two traces.
+
+    The same seed and fraction give the same split as ``moeplan fit --holdout``, so a
+    predictor fitted with ``--holdout F --seed S`` and the held-out trace written here with
+    ``F, S`` see disjoint requests. Both outputs are written atomically (all or nothing).
+    """
+    trace = open_trace(path)
+    split = RequestSplit.make(trace.request_ids(), fraction, seed)
+    extras = tuple(trace.extra_columns())
+    counts = {"fit": 0, "heldout": 0}
+    with atomic_path(fit_out) as fit_tmp, atomic_path(heldout_out) as held_tmp:
+        writers = {
+            "fit": TraceWriter(fit_tmp, trace.meta),
+            "heldout": TraceWriter(held_tmp, trace.meta),
+        }
+        for batch in trace.iter_batches(extras=extras):
+            held = split.heldout_mask(batch.request_id)
+            for side, mask in (("fit", ~held), ("heldout", held)):
+                if mask.any():
+                    writers[side].write(batch.select(mask))
+                    counts[side] += int(mask.sum())
+    return split.summary() | {"fit_tokens": counts["fit"], "heldout_tokens": counts["heldout"]}

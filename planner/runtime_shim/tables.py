@@ -16,6 +16,7 @@ The three steps are public functions that take numpy arrays or torch tensors ali
 the evaluator scores plans with exactly the code the runtime runs:
 
 - :func:`ngram_row_index`   devices of the previous layers' top-1 experts -> n-gram row
+  (defined with the bundle format, :mod:`planner.export.bundle`)
 - :func:`online_choice`     token vs n-gram table, whichever is more confident
 - :func:`assign_with_capacity` and :func:`balanced_capacity`   the capacity rule
 
@@ -39,7 +40,13 @@ import numpy as np
 import torch
 
 from planner.errors import InfeasibleError, InputError
-from planner.export.bundle import MANIFEST_FILE, TENSORS, Bundle, load_bundle_arrays
+from planner.export.bundle import (
+    MANIFEST_FILE,
+    TENSORS,
+    Bundle,
+    load_bundle_arrays,
+    ngram_row_index,
+)
 
 DEFAULT_SLACK = 1.1  # DESIGN.md balanced LAR: at most ceil(1.1 * B / E) tokens per device
 
@@ -70,23 +77,6 @@ def balanced_capacity(batch_tokens: int, ep_size: int, slack: float = DEFAULT_SL
             f"{batch_tokens}, {ep_size}, {slack}"
         )
     return math.ceil(Fraction(str(slack)) * batch_tokens / ep_size)
-
-
-def ngram_row_index(prev_devices: Any, ep_size: int) -> Any:
-    """Row of the n-gram table for the devices of the previous n layers' top-1 experts.
-
-    Args:
-        prev_devices: [..., n] device ids in [0, E), layer order (most recent last).
-        ep_size: E.
-
-    Returns:
-        [...] int64 base-E number with the most recent layer as least significant digit:
-        ``sum_j prev_devices[..., j] * E**(n-1-j)``.
-    """
-    d, to_np = _as_tensor(prev_devices)
-    n = d.shape[-1]
-    weights = ep_size ** torch.arange(n - 1, -1, -1, device=d.device, dtype=torch.int64)
-    return _back((d.to(torch.int64) * weights).sum(-1), to_np)
 
 
 def online_choice(

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from planner.errors import InputError, MismatchError
+from planner.export.bundle import ngram_row_index
 from planner.predict.ngram import (
     TransitionAccumulator,
     contiguous_placement,
@@ -13,7 +14,6 @@ from planner.predict.ngram import (
     fit_ngram_device_table,
     predict_devices,
 )
-from planner.runtime_shim.tables import ngram_row_index
 from planner.trace import TraceMeta
 from tests.predict.conftest import chain_batch
 

@@ -1,0 +1,129 @@
+"""``moeplan solve`` and ``moeplan compare``."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+from rich.table import Table
+
+from planner.cli.app import app, console
+from planner.errors import InputError
+from planner.evaluate import EvalConfig
+from planner.evaluate.compare import compare_methods
+from planner.predict.predictor import load_predictor
+from planner.solve.pipeline import PlanConfig, make_plan
+from planner.solve.registry import SOLVERS
+from planner.trace import open_trace
+
+
+def _options(text: str | None) -> dict:
+    if not text:
+        return {}
+    try:
+        opts = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InputError(
+            f'--options is not JSON ({e}); e.g. \'{{"ceo": {{"variant": "paper"}}}}\''
+        ) from None
+    if not isinstance(opts, dict):
+        raise InputError("--options must be a JSON object of per-method options")
+    return opts
+
+
+@app.command("solve")
+def solve(
+    predictor: str = typer.Argument(..., help="Predictor directory from `moeplan fit`."),
+    out: str = typer.Option(..., "--out", help="Plan directory to write."),
+    method: str = typer.Option("ceo", "--method", help=f"Solver: {', '.join(SOLVERS)}."),
+    ep: int = typer.Option(..., "--ep", help="EP size E (devices sharing a layer's experts)."),
+    beta: float = typer.Option(1.1, "--beta", help="Token load factor of the per-device cap."),
+    seed: int = typer.Option(0, "--seed", help="Seed of every random choice."),
+    jobs: int = typer.Option(1, "--jobs", help="Worker processes solving layers in parallel."),
+    time_limit: float = typer.Option(
+        None, "--time-limit", help="Seconds a solver may spend per layer."
+    ),
+    ngram_order: int = typer.Option(
+        2, "--ngram-order", help="n of the n-gram device tables (1-3)."
+    ),
+    options: str = typer.Option(None, "--options", help="Per-method solver options as JSON."),
+    as_json: bool = typer.Option(False, "--json", help="Print the per-layer reports as JSON."),
+) -> None:
+    """Place every layer's experts on E devices and give every token a device."""
+    pred = load_predictor(predictor)
+    config = PlanConfig(method, ep, beta, seed, jobs, time_limit, ngram_order, _options(options))
+    plan = make_plan(pred, config, progress=not as_json)
+    plan.save(out)
+    if as_json:
+        console.print_json(json.dumps({"plan": out, "reports": plan.reports}))
+        return
+    table = Table(
+        title=f"plan {out}: {method}, EP {ep}, beta {beta}, seed {seed}", title_justify="left"
+    )
+    for head in ("layer", "local rate (fit)", "token imbalance", "seconds", "info"):
+        table.add_column(head, justify="right" if head != "info" else "left")
+    for layer, r in enumerate(plan.reports):
+        info = ", ".join(f"{k}={v}" for k, v in r["info"].items() if not isinstance(v, list | dict))
+        table.add_row(
+            str(pred.meta.moe_layer_indices[layer]),
+            f"{r['local_rate']:.3f}",
+            f"{r['token_imbalance']:.3f}",
+            f"{r['seconds']:.2f}",
+            info[:60],
+        )
+    console.print(table)
+
+
+@app.command("compare")
+def compare(
+    predictor: str = typer.Argument(..., help="Predictor directory from `moeplan fit`."),
+    heldout: str = typer.Argument(..., help="Held-out v1 trace."),
+    methods: str = typer.Option(
+        "ceo,metis,kmeans,alternating,vanilla", "--methods", help="Comma-separated solvers."
+    ),
+    ep: int = typer.Option(..., "--ep", help="EP size E."),
+    beta: float = typer.Option(1.1, "--beta"),
+    seed: int = typer.Option(0, "--seed"),
+    jobs: int = typer.Option(1, "--jobs"),
+    time_limit: float = typer.Option(
+        None, "--time-limit", help="Seconds per layer (ILP needs one on big problems)."
+    ),
+    ngram_order: int = typer.Option(2, "--ngram-order"),
+    batch_tokens: int = typer.Option(
+        4096, "--batch-tokens", help="Tokens per runtime batch for the balanced LAR."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
+) -> None:
+    """Solve with each method and compare held-out LAR, balance and time, with the oracle bound."""
+    names = [m.strip() for m in methods.split(",") if m.strip()]
+    unknown = [m for m in names if m not in SOLVERS]
+    if unknown or not names:
+        raise InputError(
+            f"unknown method(s) {', '.join(unknown) or methods!r}; choose from {', '.join(SOLVERS)}"
+        )
+    pred = load_predictor(predictor)
+    trace = open_trace(heldout)
+    config = PlanConfig(names[0], ep, beta, seed, jobs, time_limit, ngram_order)
+    result = compare_methods(
+        pred, trace, names, config, EvalConfig(batch_tokens=batch_tokens), progress=not as_json
+    )
+    if as_json:
+        console.print_json(json.dumps(result))
+        return
+    console.print(comparison_table(result, f"held-out {heldout}, EP {ep}"))
+
+
+def comparison_table(result: dict, title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    cols = [("method", "method"), ("lar_balanced", "LAR bal."), ("lar", "LAR"), ("lar_token", "token"),
+            ("lar_ngram", "n-gram"), ("token_imbalance_balanced", "tok.imb."), ("expert_load_imbalance", "exp.imb."),
+            ("gap_to_bound", "gap to bound"), ("ratio_to_best_baseline", "vs best base."), ("ratio_to_vanilla", "vs vanilla"),
+            ("seconds", "seconds")]  # fmt: skip
+    for _, head in cols:
+        table.add_column(head, justify="left" if head == "method" else "right")
+    fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
+    for r in result["rows"]:
+        table.add_row(*(fmt(r.get(c)) for c, _ in cols))
+    bound, van = result["oracle_bound"], result["lar_vanilla"]
+    table.caption = f"per-token oracle bound {fmt(bound)}; positional vanilla LAR {fmt(van)}; best baseline {result['best_baseline']}"
+    return table

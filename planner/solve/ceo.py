@@ -1,0 +1,435 @@
+"""Cross-entropy optimisation (CEO) of the co-placement (paper 000 App. B, Algorithm 1).
+
+The Rubinstein cross-entropy method: keep a categorical distribution over devices for every
+item, draw placements from it, keep the best ``elite`` fraction, move the distribution
+towards them, repeat.
+
+``variant="paper"`` is Algorithm 1 as written:
+
+- distributions ``P_ep`` [N, E] for experts and ``P_tk`` [J, E] for tokens, uniform at first;
+- balanced sampling (``sample`` in Algorithm 1): items are drawn in index order from their
+  row of P restricted to the devices not yet masked; a device is masked once it holds N/E
+  experts, or (tokens) once its token load reaches ``beta x S / E`` (load counted as the
+  token's activations ``sum_k W[j,k]``, proportional to ``a_j``). For speed, tokens are
+  drawn in blocks of ``token_block`` (256) with the masks updated between blocks, so a
+  device may overshoot by one block's share; with J >> 256 this is negligible;
+- each (expert sample, token sample) pair is scored by its local activations; the top
+  ``elite`` (ρ = 0.2) fraction updates both distributions, smoothed:
+  ``P <- smoothing x elite frequencies + (1 - smoothing) x P``;
+- after ``iterations`` rounds: experts = argmax of ``P_ep`` and tokens = argmax of
+  ``P_tk``, then the shared repairs (exactly N/E experts per device, token loads within the
+  cap, keeping the most probable tokens in place).
+
+``variant="improved"`` (the default) changes four things, each switchable so that the
+benchmark can show its effect (``benchmarks/solve_quality.py``):
+
+- ``assign_tokens``: only expert placements are sampled; each is scored with the shared
+  capacity assignment of tokens (:func:`planner.solve.common.assign_tokens`), i.e. the best
+  tokens for those experts, instead of an independently drawn token sample. To keep this
+  fast, samples are scored on the ``score_tokens`` most frequent tokens only (capacity scaled
+  to their load), and price warm starts carry over between samples;
+- ``align_labels``: device labels are arbitrary, so elite samples are relabelled (linear
+  assignment on their overlap with the best placement so far) before they are averaged;
+  without this the elite frequencies of symmetric relabellings cancel out;
+- ``polish``: the best placement is handed to the shared alternating polish (exact best
+  experts for the tokens, then the capacity assignment, until no gain) on all tokens;
+- ``restarts``: the whole search runs from several seeds derived from the seed and the best
+  final objective is kept.
+
+Token confidence is the share of the token's predicted activations local on its device, as
+for every solver (the paper's probability ``P_tk`` is reported in ``info`` for the paper
+variant as its mean).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+from scipy.optimize import linear_sum_assignment
+
+from planner.errors import InputError
+from planner.solve.common import (
+    assign_for_problem,
+    check_options,
+    device_gains,
+    finish,
+    objective,
+    polish,
+    rebalance_tokens,
+    repair_expert_counts,
+)
+from planner.solve.kmeans import balanced_kmeans, expert_profiles
+from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig
+
+VARIANTS = ("improved", "paper")
+
+DEFAULTS: dict[str, object] = {
+    "variant": "improved",
+    "samples": None,  # K samples per iteration (None: 32 paper, 8 improved)
+    "iterations": None,  # rounds (None: 40 paper, 8 improved)
+    "elite": 0.2,  # ρ, elite fraction
+    "smoothing": 0.7,  # weight of the elite frequencies in the update
+    "token_block": 256,  # paper: tokens drawn per block between mask updates
+    # improved-variant switches (ignored by the paper variant)
+    "assign_tokens": True,  # sample experts only; tokens by the shared assignment
+    "local_search": True,  # polish every sample on the scoring tokens (search over local optima)
+    "align_labels": True,  # relabel elite samples onto the best before averaging
+    "search_swaps": True,  # the samples' local search also tries expert swaps
+    "search_rounds": 8,  # local-search rounds per sample at most
+    "polish": True,  # polish the best candidates on all tokens
+    # start P as (1 - w) onehot(balanced k-means of the expert profiles) + w uniform
+    # (0 or None: uniform start, as in the paper)
+    "warm_start": None,
+    "explore": 0.02,  # mixed into P each round so no device probability reaches 0
+    "candidates": 3,  # best distinct placements polished on all tokens
+    "score_tokens": 1024,  # tokens used to score samples (most frequent first)
+    "price_sweeps": 4,  # dual-price sweeps per token assignment while searching
+    "time_budget": 7.0,  # soft seconds per layer (None: unlimited); the time limit is hard
+    "search_share": 0.6,  # share of the budget for the search, the rest for the final polish
+}
+
+
+def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
+    started = time.perf_counter()
+    opts = check_options("ceo", config.for_method("ceo"), DEFAULTS)
+    if opts["variant"] not in VARIANTS:
+        raise InputError(f"ceo: variant={opts['variant']!r} is not one of {', '.join(VARIANTS)}")
+    if not (0.0 < float(opts["elite"]) <= 1.0):
+        raise InputError(f"ceo: elite={opts['elite']!r} must lie in (0, 1]")
+    if not (0.0 < float(opts["smoothing"]) <= 1.0):
+        raise InputError(f"ceo: smoothing={opts['smoothing']!r} must lie in (0, 1]")
+    deadline = None if config.time_limit is None else started + config.time_limit
+    if opts["variant"] == "paper":
+        x, t, info = _solve_paper(problem, opts, config.seed, deadline)
+    else:
+        x, t, info = _solve_improved(problem, opts, config.seed, started, deadline)
+    return finish(
+        problem, "ceo", x, seed=config.seed, started=started, token_to_device=t, info=info
+    )
+
+
+# Sampling -----------------------------------------------------------------------------------
+
+
+def sample_balanced(
+    rng: np.random.Generator,
+    prob: np.ndarray,
+    num_samples: int,
+    weight: np.ndarray,
+    capacity: float,
+    *,
+    block: int = 1,
+    order: np.ndarray | None = None,
+) -> np.ndarray:
+    """Draw ``num_samples`` labelings of M items from their categorical rows, balanced.
+
+    Args:
+        prob: [M, E] each item's distribution over devices.
+        weight: [M] load each item puts on its device.
+        capacity: a device is masked once its load reaches ``capacity``.
+        block: items drawn between mask updates (1 = exactly Algorithm 1's ``sample``).
+        order: [K, M] per-sample item order (None: index order, as in Algorithm 1).
+
+    Returns:
+        [K, M] int64 labels. Items are drawn from their row restricted to unmasked devices
+        (uniformly over them when the row puts no mass there). With unit weights and
+        ``capacity = M / E`` every device ends with exactly M / E items.
+    """
+    m, e = prob.shape
+    k = num_samples
+    labels = np.empty((k, m), dtype=np.int64)
+    load = np.zeros((k, e))
+    open_ = np.ones((k, e), dtype=bool)
+    rows = np.arange(k)[:, None]
+    for start in range(0, m, block):
+        stop = min(start + block, m)
+        items = (
+            np.arange(start, stop)[None, :].repeat(k, 0) if order is None else order[:, start:stop]
+        )
+        p = prob[items] * open_[:, None, :]  # [K, b, E]
+        mass = p.sum(axis=-1, keepdims=True)
+        uniform = np.broadcast_to(open_[:, None, :], p.shape).astype(float)
+        p = np.where(
+            mass > 0, p / np.where(mass > 0, mass, 1.0), uniform / uniform.sum(-1, keepdims=True)
+        )
+        u = rng.random((k, stop - start, 1))
+        lab = np.minimum((np.cumsum(p, axis=-1) < u).sum(axis=-1), e - 1)
+        # a rounding step past the last open device must not land on a masked one
+        bad = ~open_[rows, lab]
+        if bad.any():
+            lab[bad] = np.argmax(np.broadcast_to(open_[:, None, :], p.shape)[bad], axis=-1)
+        labels[rows, items] = lab
+        np.add.at(load, (np.broadcast_to(rows, lab.shape), lab), weight[items])
+        open_ &= load < capacity - 1e-9 * max(capacity, 1.0)
+        if not open_.any(axis=1).all():  # every device full (only possible at the very end)
+            open_ |= ~open_.any(axis=1, keepdims=True)
+    return labels
+
+
+def _onehot_mean(labels: np.ndarray, e: int) -> np.ndarray:
+    """[M, E] frequency of each label per item over the K rows of ``labels`` [K, M]."""
+    k, m = labels.shape
+    counts = np.zeros((m, e))
+    np.add.at(counts, (np.broadcast_to(np.arange(m), labels.shape), labels), 1.0)
+    return counts / k
+
+
+def align(
+    labels: np.ndarray, reference: np.ndarray, e: int, weight: np.ndarray | None = None
+) -> np.ndarray:
+    """Relabel devices of ``labels`` [M] to overlap ``reference`` [M] the most (LSA)."""
+    overlap = np.zeros((e, e))
+    np.add.at(overlap, (reference, labels), 1.0 if weight is None else weight)
+    ref_dev, lab_dev = linear_sum_assignment(overlap, maximize=True)
+    mapping = np.empty(e, dtype=np.int64)
+    mapping[lab_dev] = ref_dev
+    return mapping[labels]
+
+
+# Paper variant ------------------------------------------------------------------------------
+
+
+def _solve_paper(problem: LayerProblem, opts: dict, seed: int, deadline: float | None):
+    rng = np.random.default_rng(seed)
+    n, e, per = problem.num_experts, problem.ep_size, problem.experts_per_device
+    num_samples = int(opts["samples"] or 32)
+    iterations = int(opts["iterations"] or 40)
+    n_elite = max(1, math.ceil(float(opts["elite"]) * num_samples))
+    alpha = float(opts["smoothing"])
+    act = problem.token_activations
+    token_cap = problem.beta * act.sum() / e
+    p_ep = np.full((n, e), 1.0 / e)
+    p_tk = np.full((problem.num_tokens, e), 1.0 / e)
+    w = problem.affinity
+    rows, cols, vals = problem.nnz_rows, w.indices, w.data
+    done = 0
+    for done in range(1, iterations + 1):  # noqa: B007
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        ep = sample_balanced(rng, p_ep, num_samples, np.ones(n), per)
+        tk = sample_balanced(rng, p_tk, num_samples, act, token_cap, block=int(opts["token_block"]))
+        # score: local activations of each (expert sample, token sample) pair
+        scores = np.array([vals[ep[s, cols] == tk[s, rows]].sum() for s in range(num_samples)])
+        elite = np.argsort(-scores, kind="stable")[:n_elite]
+        p_ep = alpha * _onehot_mean(ep[elite], e) + (1 - alpha) * p_ep
+        p_tk = alpha * _onehot_mean(tk[elite], e) + (1 - alpha) * p_tk
+    x = repair_expert_counts(p_ep.argmax(axis=1), p_ep.T, per)
+    gain = device_gains(problem, x)
+    t = rebalance_tokens(problem, p_tk.argmax(axis=1), gain, priority=p_tk.max(axis=1))
+    info = {
+        "variant": "paper",
+        "iterations": done,
+        "samples": num_samples,
+        "mean_token_probability": float(p_tk.max(axis=1).mean()) if problem.num_tokens else 0.0,
+    }
+    return x, t, info
+
+
+# Improved variant ---------------------------------------------------------------------------
+
+
+class _Scorer:
+    """Scores expert placements on the most frequent tokens (capacity scaled to their load).
+
+    ``__call__(x)`` -> (x', objective): with ``local_search`` the placement is first polished
+    (:func:`planner.solve.common.polish` on the scoring tokens), so the search runs over
+    local optima; otherwise x' = x and the objective is that of the capacity assignment.
+    """
+
+    def __init__(
+        self,
+        problem: LayerProblem,
+        num_tokens: int,
+        sweeps: int,
+        local_search: bool,
+        swaps: bool,
+        rounds: int,
+    ):
+        keep = problem.most_frequent_tokens(max(1, num_tokens))
+        self.problem = problem if keep.size == problem.num_tokens else problem.select_tokens(keep)
+        self.sweeps = sweeps
+        self.local_search = local_search
+        self.swaps = swaps
+        self.rounds = rounds
+        self.prices: np.ndarray | None = None
+
+    def __call__(self, x: np.ndarray) -> tuple[np.ndarray, float]:
+        sub = self.problem
+        gain = device_gains(sub, x)
+        result = assign_for_problem(sub, gain, prices=self.prices, sweeps=self.sweeps)
+        if self.prices is None:
+            self.prices = result.prices
+        t = result.token_to_device
+        if self.local_search:
+            x, t, _ = polish(
+                sub, x, t, sweeps=self.sweeps, max_rounds=self.rounds, swaps=self.swaps
+            )
+            gain = device_gains(sub, x)
+        return x, objective(sub, gain, t)
+
+
+def _earliest(a: float | None, b: float | None) -> float | None:
+    return b if a is None else (a if b is None else min(a, b))
+
+
+def _solve_improved(
+    problem: LayerProblem, opts: dict, seed: int, started: float, deadline: float | None
+):
+    rng = np.random.default_rng(seed)
+    num_samples = int(opts["samples"] or 8)
+    iterations = int(opts["iterations"] or 8)
+    # soft budget: the search gets its share, the final polish the rest
+    budget = opts["time_budget"]
+    search_end, polish_end = deadline, deadline
+    if budget is not None:
+        search_end = _earliest(deadline, started + float(opts["search_share"]) * float(budget))
+        polish_end = _earliest(deadline, started + float(budget))
+    if opts["assign_tokens"]:
+        candidates, its = _cross_entropy_experts(
+            problem, opts, rng, num_samples, iterations, search_end
+        )
+        tokens = [None] * len(candidates)
+    else:
+        x, t, its = _cross_entropy_joint(problem, opts, rng, num_samples, iterations, search_end)
+        candidates, tokens = [x], [t]
+    best, log = None, []
+    for x, t in zip(candidates, tokens, strict=True):
+        gain = device_gains(problem, x)
+        if t is None:
+            t = assign_for_problem(problem, gain, sweeps=10).token_to_device
+        else:
+            t = rebalance_tokens(problem, t, gain, priority=gain[np.arange(t.size), t])
+        obj_ce = objective(problem, gain, t)
+        rounds = 0
+        if opts["polish"]:
+            # cheap exact-expert rounds first, then rounds with swaps while time remains
+            x, t, rounds = polish(problem, x, t, deadline=polish_end, sweeps=10, swaps=False)
+            x, t, more = polish(problem, x, t, deadline=polish_end, sweeps=10, swaps=True)
+            rounds += more
+        obj = objective(problem, device_gains(problem, x), t)
+        log.append({"objective_search": obj_ce, "objective_polished": obj, "polish_rounds": rounds})
+        if best is None or obj > best[0]:
+            best = (obj, x, t)
+        if polish_end is not None and time.perf_counter() > polish_end:
+            break
+    _, x, t = best
+    # A last, fully converged token assignment for the final experts.
+    gain = device_gains(problem, x)
+    t_final = assign_for_problem(problem, gain).token_to_device
+    if objective(problem, gain, t_final) >= objective(problem, gain, t):
+        t = t_final
+    flags = {k: opts[k] for k in ("assign_tokens", "local_search", "align_labels", "polish")}
+    info = {
+        "variant": "improved",
+        **flags,
+        "samples": num_samples,
+        "iterations": its,
+        "candidates": log,
+    }
+    return x, t, info
+
+
+def _cross_entropy_experts(problem, opts, rng, num_samples, iterations, deadline):
+    """CE over expert placements, each scored with its best tokens. -> (candidates, iters).
+
+    Candidates are the best distinct placements found (best first), at most ``candidates``.
+    """
+    n, e, per = problem.num_experts, problem.ep_size, problem.experts_per_device
+    n_elite = max(1, math.ceil(float(opts["elite"]) * num_samples))
+    alpha = float(opts["smoothing"])
+    explore = float(opts["explore"])
+    scorer = _Scorer(
+        problem,
+        int(opts["score_tokens"]),
+        int(opts["price_sweeps"]),
+        bool(opts["local_search"]),
+        bool(opts["search_swaps"]),
+        int(opts["search_rounds"]),
+    )
+    p_ep = np.full((n, e), 1.0 / e)
+    if opts["warm_start"]:
+        # start the distribution around a balanced clustering of the experts' profiles
+        labels, _, _ = balanced_kmeans(expert_profiles(problem), e, rng)
+        p_ep = (1.0 - float(opts["warm_start"])) * np.eye(e)[labels] + float(
+            opts["warm_start"]
+        ) * p_ep
+    found: dict[bytes, tuple[float, np.ndarray]] = {}
+    best_x, best_score = None, -np.inf
+    done = 0
+    for done in range(1, iterations + 1):  # noqa: B007
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        order = np.argsort(rng.random((num_samples, n)), axis=1)
+        samples = sample_balanced(rng, p_ep, num_samples, np.ones(n), per, order=order)
+        scored = [scorer(s) for s in samples]
+        samples = np.stack([sx for sx, _ in scored])
+        scores = np.array([sc for _, sc in scored])
+        ranked = np.argsort(-scores, kind="stable")
+        if scores[ranked[0]] > best_score:
+            best_score, best_x = float(scores[ranked[0]]), samples[ranked[0]].copy()
+        elite = samples[ranked[:n_elite]]
+        if opts["align_labels"]:
+            elite = np.stack([align(s, best_x, e) for s in elite])
+        for s, sc in zip(elite, scores[ranked[:n_elite]], strict=True):
+            found.setdefault(_canonical(s, e).tobytes(), (float(sc), s))
+        p_ep = alpha * _onehot_mean(elite, e) + (1 - alpha) * p_ep
+        p_ep = (1 - explore) * p_ep + explore / e
+    mode = repair_expert_counts(p_ep.argmax(axis=1), p_ep.T, per)
+    mode_x, mode_score = scorer(mode)
+    found.setdefault(_canonical(mode_x, e).tobytes(), (mode_score, mode_x))
+    ranked_found = sorted(found.values(), key=lambda item: -item[0])
+    return [x for _, x in ranked_found[: max(1, int(opts["candidates"]))]], done
+
+
+def _canonical(x: np.ndarray, e: int) -> np.ndarray:
+    """Relabel devices in order of their lowest expert (one label per partition)."""
+    first = np.full(e, x.size, dtype=np.int64)
+    np.minimum.at(first, x, np.arange(x.size))
+    rank = np.empty(e, dtype=np.int64)
+    rank[np.argsort(first, kind="stable")] = np.arange(e)
+    return rank[x]
+
+
+def _cross_entropy_joint(problem, opts, rng, num_samples, iterations, deadline):
+    """CE over experts and tokens (sampled, as in the paper) with the improved extras."""
+    n, e, per = problem.num_experts, problem.ep_size, problem.experts_per_device
+    n_elite = max(1, math.ceil(float(opts["elite"]) * num_samples))
+    alpha = float(opts["smoothing"])
+    act = problem.token_activations
+    token_cap = problem.beta * act.sum() / e
+    p_ep = np.full((n, e), 1.0 / e)
+    p_tk = np.full((problem.num_tokens, e), 1.0 / e)
+    w = problem.affinity
+    rows, cols, vals = problem.nnz_rows, w.indices, w.data
+    best = (-np.inf, None, None)
+    done = 0
+    for done in range(1, iterations + 1):  # noqa: B007
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        order = np.argsort(rng.random((num_samples, n)), axis=1)
+        ep = sample_balanced(rng, p_ep, num_samples, np.ones(n), per, order=order)
+        tk = sample_balanced(rng, p_tk, num_samples, act, token_cap, block=int(opts["token_block"]))
+        scores = np.array([vals[ep[s, cols] == tk[s, rows]].sum() for s in range(num_samples)])
+        ranked = np.argsort(-scores, kind="stable")
+        if scores[ranked[0]] > best[0]:
+            best = (float(scores[ranked[0]]), ep[ranked[0]].copy(), tk[ranked[0]].copy())
+        ep_elite, tk_elite = ep[ranked[:n_elite]], tk[ranked[:n_elite]]
+        if opts["align_labels"]:
+            pairs = [_align_pair(a, b, best[1], e) for a, b in zip(ep_elite, tk_elite, strict=True)]
+            ep_elite = np.stack([p[0] for p in pairs])
+            tk_elite = np.stack([p[1] for p in pairs])
+        p_ep = alpha * _onehot_mean(ep_elite, e) + (1 - alpha) * p_ep
+        p_tk = alpha * _onehot_mean(tk_elite, e) + (1 - alpha) * p_tk
+    x = repair_expert_counts(p_ep.argmax(axis=1), p_ep.T, per)
+    return x, p_tk.argmax(axis=1), done
+
+
+def _align_pair(ep: np.ndarray, tk: np.ndarray, reference: np.ndarray, e: int):
+    overlap = np.zeros((e, e))
+    np.add.at(overlap, (reference, ep), 1.0)
+    ref_dev, lab_dev = linear_sum_assignment(overlap, maximize=True)
+    mapping = np.empty(e, dtype=np.int64)
+    mapping[lab_dev] = ref_dev
+    return mapping[ep], mapping[tk]

@@ -1,0 +1,239 @@
+"""The exact 0-1 program of the co-placement (paper 000 §3.4, paper 001 §3.3), via PuLP.
+
+Variables (E devices, d in 0..E-1):
+
+- ``x[k, d]`` binary: expert k on device d;
+- ``y[j, d]`` binary: token j sent to device d;
+- ``z[j, k, d]`` in [0, 1], only where ``W[j, k] > 0``: activation (j, k) local on d. The
+  product ``x[k, d] * y[j, d]`` is linearised by ``z <= x`` and ``z <= y``; since z has a
+  positive objective weight, maximisation drives it to ``min(x, y)``, so z need not be
+  declared integer.
+
+Objective: maximise ``sum W[j, k] z[j, k, d]`` ("cap" mode), or ``(1 - θ) sum W z - θ sum_d
+dev_d`` with ``dev_d >= |load_d - S/E|`` ("penalty" mode). Constraints (named as shown):
+
+- ``expert_once_k``: ``sum_d x[k, d] = 1``; ``experts_on_d``: ``sum_k x[k, d] = N/E``;
+- ``token_once_j``: ``sum_d y[j, d] = 1``;
+- ``load_d``: ``sum_j a_j y[j, d] <= beta S / E`` (cap mode; when no placement fits
+  because tokens are indivisible, the program is solved again with the cap raised by the
+  heaviest token, the slack rule of :mod:`planner.solve.problem`, and ``info["token_cap"]``
+  says so);
+- ``zx_j_k_d``: ``z <= x[k, d]``; ``zy_j_k_d``: ``z <= y[j, d]``.
+
+Symmetry breaking (``symmetry_breaking``, on by default): devices are interchangeable, so
+we may number them by their lowest-numbered expert; then device d's lowest expert is at
+least d, i.e. ``x[k, d] = 0`` for ``d > k`` (those variables are simply not created). This
+removes the E! relabellings of every solution without cutting off any placement up to
+relabelling, and speeds up optimality proofs.
+
+Large instances: the program has ``nnz(W) x E`` z-variables. When that exceeds
+``max_variables`` the program is built on the most frequent tokens only (as many as fit the
+budget, their cap scaled to their own load), the remaining tokens are placed afterwards by
+the shared capacity assignment on the program's expert placement, and ``info`` says so
+(``exact: False``, ``tokens_in_program``). Likewise when the time limit stops the solver
+before a proof, ``info["status"]`` is "feasible (time limit)" and ``info["bound"]`` gives
+the best proven upper bound on the objective of the program that was solved.
+
+Solvers: HiGHS through its Python API (``pulp.HiGHS``, needs highspy) or CBC
+(``pulp.PULP_CBC_CMD``). ``lp_path`` writes the program in LP format before solving.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pulp
+
+from planner._io import atomic_path
+from planner.errors import InfeasibleError, InputError
+from planner.solve.common import check_options, finish
+from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig
+
+DEFAULTS: dict[str, object] = {
+    "solver": "highs",  # "highs" (highspy API) or "cbc"
+    "max_variables": 50_000,  # z-variable budget before falling back to the top tokens
+    "symmetry_breaking": True,
+    "gap_rel": 1e-6,  # relative MIP gap at which the solver may stop and call it optimal
+    "lp_path": None,  # write the program in LP format here
+    "msg": False,  # solver log on stdout
+}
+DEFAULT_TIME_LIMIT = 60.0
+
+
+def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
+    started = time.perf_counter()
+    opts = check_options("ilp", config.for_method("ilp"), DEFAULTS)
+    time_limit = float(config.time_limit or DEFAULT_TIME_LIMIT)
+    keep = _tokens_in_budget(problem, int(opts["max_variables"]))
+    sub = problem if keep.size == problem.num_tokens else problem.select_tokens(keep)
+    solver = _make_solver(
+        str(opts["solver"]), time_limit, float(opts["gap_rel"]), bool(opts["msg"])
+    )
+    symmetry = bool(opts["symmetry_breaking"])
+    capacity = sub.capacity
+    prog, x_vars, y_vars = build_program(sub, symmetry_breaking=symmetry)
+    if opts["lp_path"]:
+        with atomic_path(Path(str(opts["lp_path"]))) as tmp:
+            prog.writeLP(str(tmp))
+    prog.solve(solver)
+    status = _status(prog)
+    if status == "infeasible" and sub.balance == "cap":
+        # tokens are indivisible: allow one maximal token above the cap (the slack rule of
+        # planner.solve.problem) rather than give up
+        capacity = sub.capacity + sub.load_slack
+        prog, x_vars, y_vars = build_program(sub, symmetry_breaking=symmetry, capacity=capacity)
+        prog.solve(solver)
+        status = _status(prog)
+    if status == "infeasible":
+        raise InfeasibleError(
+            f"ilp: no placement meets the token cap {capacity:.6g} (beta={problem.beta:g}); "
+            "raise beta or use balance='penalty'"
+        )
+    if status == "no solution":
+        raise InfeasibleError(
+            f"ilp: the solver found no placement within {time_limit:g} s; raise the time "
+            "limit or lower max_variables"
+        )
+    per = problem.experts_per_device
+    x = np.array([_argmax_var(x_vars[k]) for k in range(problem.num_experts)], dtype=np.int64)
+    if np.bincount(x, minlength=problem.ep_size).tolist() != [per] * problem.ep_size:
+        raise InfeasibleError(
+            "ilp: the solver returned an expert placement that breaks N/E per device"
+        )
+    exact = keep.size == problem.num_tokens
+    t = None
+    if exact:
+        t = np.array([_argmax_var(y_vars[j]) for j in range(problem.num_tokens)], dtype=np.int64)
+    info = {
+        "status": status,
+        "solver": str(opts["solver"]),
+        "exact": exact,
+        "tokens_in_program": int(keep.size),
+        "tokens": int(problem.num_tokens),
+        "program_objective": float(pulp.value(prog.objective) or 0.0),
+        "bound": _bound(prog),
+        "symmetry_breaking": bool(opts["symmetry_breaking"]),
+        "time_limit": time_limit,
+        "token_cap": capacity,
+    }
+    if not exact:
+        info["note"] = (
+            f"program on the {keep.size} most frequent of {problem.num_tokens} tokens; "
+            "the rest placed by the shared assignment"
+        )
+    return finish(
+        problem, "ilp", x, seed=config.seed, started=started, token_to_device=t, info=info
+    )
+
+
+def build_program(
+    problem: LayerProblem, *, symmetry_breaking: bool = True, capacity: float | None = None
+):
+    """The PuLP program of ``problem``. Returns (program, x_vars, y_vars).
+
+    ``capacity`` overrides the token cap of "cap" mode (default ``problem.capacity``).
+
+    ``x_vars[k]`` / ``y_vars[j]`` map device -> variable (absent = fixed to 0 by symmetry).
+    """
+    n, e, per = problem.num_experts, problem.ep_size, problem.experts_per_device
+    w = problem.affinity
+    prog = pulp.LpProblem("moeplan_coplacement", pulp.LpMaximize)
+    x_vars = [
+        {
+            d: pulp.LpVariable(f"x_{k}_{d}", cat="Binary")
+            for d in range(e)
+            if not (symmetry_breaking and d > k)
+        }
+        for k in range(n)
+    ]
+    y_vars = [
+        {d: pulp.LpVariable(f"y_{j}_{d}", cat="Binary") for d in range(e)}
+        for j in range(problem.num_tokens)
+    ]
+    local_terms = []
+    for j in range(problem.num_tokens):
+        for pos in range(w.indptr[j], w.indptr[j + 1]):
+            k, weight = int(w.indices[pos]), float(w.data[pos])
+            for d, xv in x_vars[k].items():
+                z = pulp.LpVariable(f"z_{j}_{k}_{d}", lowBound=0, upBound=1)
+                prog += z <= xv, f"zx_{j}_{k}_{d}"
+                prog += z <= y_vars[j][d], f"zy_{j}_{k}_{d}"
+                local_terms.append((z, weight))
+    local = pulp.LpAffineExpression(local_terms)
+    loads = [
+        pulp.lpSum(float(problem.token_freq[j]) * y_vars[j][d] for j in range(problem.num_tokens))
+        for d in range(e)
+    ]
+    cap = problem.capacity if capacity is None else float(capacity)
+    if problem.balance == "cap":
+        prog += local
+        for d in range(e):
+            prog += loads[d] <= cap, f"load_{d}"
+    else:
+        mean = problem.total_freq / e
+        dev = [pulp.LpVariable(f"dev_{d}", lowBound=0) for d in range(e)]
+        for d in range(e):
+            prog += dev[d] >= loads[d] - mean, f"dev_hi_{d}"
+            prog += dev[d] >= mean - loads[d], f"dev_lo_{d}"
+        prog += (1 - problem.theta) * local - problem.theta * pulp.lpSum(dev)
+    for k in range(n):
+        prog += pulp.lpSum(x_vars[k].values()) == 1, f"expert_once_{k}"
+    for d in range(e):
+        prog += (
+            pulp.lpSum(x_vars[k][d] for k in range(n) if d in x_vars[k]) == per,
+            f"experts_on_{d}",
+        )
+    for j in range(problem.num_tokens):
+        prog += pulp.lpSum(y_vars[j].values()) == 1, f"token_once_{j}"
+    return prog, x_vars, y_vars
+
+
+def _tokens_in_budget(problem: LayerProblem, max_variables: int) -> np.ndarray:
+    """Row ids of the most frequent tokens whose z-variables fit the budget (sorted)."""
+    nnz = np.diff(problem.affinity.indptr)
+    order = np.argsort(-problem.token_freq, kind="stable")
+    fits = np.cumsum(nnz[order]) * problem.ep_size <= max_variables
+    count = max(int(fits.sum()), min(1, problem.num_tokens))
+    return np.sort(order[:count])
+
+
+def _make_solver(name: str, time_limit: float, gap_rel: float, msg: bool):
+    if name == "highs":
+        solver = pulp.HiGHS(msg=msg, timeLimit=time_limit, gapRel=gap_rel, threads=1)
+    elif name == "cbc":
+        solver = pulp.PULP_CBC_CMD(msg=msg, timeLimit=time_limit, gapRel=gap_rel, threads=1)
+    else:
+        raise InputError(f"ilp: solver={name!r} is not one of highs, cbc")
+    if not solver.available():
+        raise InputError(
+            f"ilp: the {name} solver is not available here (pip install highspy / pulp's CBC)"
+        )
+    return solver
+
+
+def _status(prog: pulp.LpProblem) -> str:
+    if prog.status in (pulp.LpStatusInfeasible,) or prog.sol_status == pulp.LpSolutionInfeasible:
+        return "infeasible"
+    if prog.sol_status == pulp.LpSolutionOptimal:
+        return "optimal"
+    values = [v.varValue for v in prog.variables()[:1]]
+    if prog.sol_status == pulp.LpSolutionIntegerFeasible and values and values[0] is not None:
+        return "feasible (time limit)"
+    return "no solution"
+
+
+def _bound(prog: pulp.LpProblem) -> float | None:
+    """Best proven upper bound (HiGHS only; None elsewhere)."""
+    model = getattr(prog, "solverModel", None)
+    if model is None or not hasattr(model, "getInfo"):
+        return None
+    bound = getattr(model.getInfo(), "mip_dual_bound", None)
+    if bound is None or not np.isfinite(bound):
+        return None
+    return float(-bound) if prog.sense == pulp.LpMaximize else float(bound)
+
+
+def _argmax_var(variables: dict[int, pulp.LpVariable]) -> int:
+    return max(variables, key=lambda d: variables[d].varValue or 0.0)

@@ -1,0 +1,288 @@
+"""Solving every layer of a model, and the Plan artifact that holds the result.
+
+:func:`solve_model` runs one solver over a list of :class:`LayerProblem` (one per MoE layer),
+in worker processes when ``jobs > 1``. Layer l runs with its own seed
+:func:`layer_seed` ``(seed, l)``, so the result does not depend on the job count or on the
+order in which layers finish.
+
+:class:`Plan` is the on-disk result: expert placement per layer, a vocabulary-wide token
+table per layer with confidences, optional n-gram tables, the solver reports, and the
+model's identity (metadata + fingerprint) so that a plan cannot be combined with another
+model. A plan is a directory::
+
+    plan.json     {"format": "moeplan-plan", "format_version": 1, "model": {...},
+                   "fingerprint", "ep_size", "method", "seed", "config", "ngram_order",
+                   "reports": [per-layer solver report], "created_by"}
+    tables.npz    expert_to_device [L, N] int16, token_to_device [L, V] int16,
+                  token_confidence [L, V] float16, and when present
+                  ngram_to_device [L, E**n] int16, ngram_confidence [L, E**n] float16
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import io
+import json
+import multiprocessing as mp
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from planner._io import atomic_path
+from planner.errors import InputError, MismatchError, SchemaError
+from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig
+from planner.solve.registry import get_solver
+
+PLAN_FORMAT = "moeplan-plan"
+PLAN_FORMAT_VERSION = 1
+
+
+def layer_seed(seed: int, layer: int) -> int:
+    """The seed layer ``layer`` is solved with: independent streams per (seed, layer)."""
+    return int(
+        np.random.SeedSequence([int(seed), int(layer)]).generate_state(1, dtype=np.uint32)[0]
+    )
+
+
+def _solve_one(args: tuple[LayerProblem, str, SolverConfig]) -> LayerPlacement:
+    problem, method, config = args
+    return get_solver(method)(problem, config)
+
+
+def solve_model(
+    problems: Sequence[LayerProblem],
+    method: str,
+    config: SolverConfig | None = None,
+    *,
+    jobs: int = 1,
+    progress: bool = True,
+) -> list[LayerPlacement]:
+    """Solve every layer with ``method``; returns placements in layer order.
+
+    Args:
+        problems: one problem per MoE layer (list index = layer index for the seeds).
+        config: seed, time limit and options; layer l uses ``layer_seed(config.seed, l)``.
+        jobs: worker processes (spawned, so this is safe from threads and notebooks);
+            1 solves in this process.
+        progress: show a progress bar on stderr.
+    """
+    get_solver(method)  # unknown method -> InputError before any work
+    config = config if config is not None else SolverConfig()
+    if jobs < 1:
+        raise InputError(f"jobs={jobs} must be at least 1")
+    tasks = [
+        (p, method, config.with_seed(layer_seed(config.seed, i))) for i, p in enumerate(problems)
+    ]
+    results: list[LayerPlacement | None] = [None] * len(tasks)
+    with _progress(progress, len(tasks), method) as advance:
+        if jobs == 1 or len(tasks) <= 1:
+            for i, task in enumerate(tasks):
+                results[i] = _solve_one(task)
+                advance()
+        else:
+            ctx = mp.get_context("spawn")
+            with cf.ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=ctx) as pool:
+                futures = {pool.submit(_solve_one, task): i for i, task in enumerate(tasks)}
+                for future in cf.as_completed(futures):
+                    results[futures[future]] = future.result()
+                    advance()
+    return [r for r in results if r is not None]
+
+
+class _progress:
+    """A rich progress bar on stderr (or nothing); yields an ``advance()`` callable."""
+
+    def __init__(self, enabled: bool, total: int, method: str):
+        self.enabled, self.total, self.method = enabled, total, method
+        self.bar = None
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda: None
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        self.bar = Progress(
+            TextColumn(f"solve ({self.method})"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            console=Console(stderr=True), transient=True,
+        )  # fmt: skip
+        self.bar.start()
+        task = self.bar.add_task("layers", total=self.total)
+        return lambda: self.bar.advance(task)
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """A solved placement for every MoE layer of one model (see the module docstring).
+
+    Attributes:
+        model: model metadata (``TraceMeta.to_json()``-style dict: model, num_layers,
+            num_experts, top_k, vocab_size, ...).
+        fingerprint: the model fingerprint carried by every derived artifact.
+        ep_size: E.
+        method: solver registry name; seed: the config seed; config: ``SolverConfig.to_json()``.
+        expert_to_device: [L, N] int16, N/E experts per device per layer.
+        token_to_device: [L, V] int16.
+        token_confidence: [L, V] float16 in [0, 1].
+        ngram_order: n of the n-gram tables (0 = none).
+        ngram_to_device: [L, E**n] int16 or None; ngram_confidence: [L, E**n] float16 or None.
+        reports: per-layer solver reports (``LayerPlacement.report()``).
+    """
+
+    model: dict[str, Any]
+    fingerprint: str
+    ep_size: int
+    method: str
+    seed: int
+    config: dict[str, Any]
+    expert_to_device: np.ndarray
+    token_to_device: np.ndarray
+    token_confidence: np.ndarray
+    ngram_order: int = 0
+    ngram_to_device: np.ndarray | None = None
+    ngram_confidence: np.ndarray | None = None
+    reports: list[dict[str, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for key in ("num_layers", "num_experts", "vocab_size"):
+            if not isinstance(self.model.get(key), int):
+                raise SchemaError(f"plan: model metadata lacks integer {key!r}")
+        big_l, n, v = self.model["num_layers"], self.model["num_experts"], self.model["vocab_size"]
+        e = self.ep_size
+        if not isinstance(e, int) or e < 1 or n % e:
+            raise SchemaError(f"plan: ep_size={e!r} does not divide num_experts={n}")
+        x = np.asarray(self.expert_to_device)
+        t = np.asarray(self.token_to_device)
+        c = np.asarray(self.token_confidence)
+        _expect(x, "expert_to_device", (big_l, n))
+        _expect(t, "token_to_device", (big_l, v))
+        _expect(c, "token_confidence", (big_l, v))
+        for name, arr in (("expert_to_device", x), ("token_to_device", t)):
+            if arr.size and (arr.min() < 0 or arr.max() >= e):
+                raise SchemaError(f"plan: {name} holds devices outside [0, {e})")
+        counts = (
+            np.stack([np.bincount(row, minlength=e) for row in x.astype(np.int64)])
+            if big_l
+            else None
+        )
+        if counts is not None and (counts != n // e).any():
+            raise SchemaError(
+                f"plan: some layer does not hold exactly N/E = {n // e} experts per device"
+            )
+        if c.size and (not np.isfinite(c).all() or c.min() < 0 or c.max() > 1):
+            raise SchemaError("plan: token_confidence outside [0, 1]")
+        object.__setattr__(self, "expert_to_device", x.astype(np.int16))
+        object.__setattr__(self, "token_to_device", t.astype(np.int16))
+        object.__setattr__(self, "token_confidence", c.astype(np.float16))
+        if (self.ngram_to_device is None) != (self.ngram_confidence is None):
+            raise SchemaError("plan: ngram_to_device and ngram_confidence come together")
+        if self.ngram_to_device is not None:
+            shape = (big_l, e**self.ngram_order)
+            _expect(np.asarray(self.ngram_to_device), "ngram_to_device", shape)
+            _expect(np.asarray(self.ngram_confidence), "ngram_confidence", shape)
+            object.__setattr__(
+                self, "ngram_to_device", np.asarray(self.ngram_to_device).astype(np.int16)
+            )
+            object.__setattr__(
+                self, "ngram_confidence", np.asarray(self.ngram_confidence).astype(np.float16)
+            )
+        if len(self.reports) not in (0, big_l):
+            raise SchemaError(f"plan: {len(self.reports)} layer reports for {big_l} layers")
+
+    def check_model(self, fingerprint: str) -> None:
+        """Refuse a plan made for another model (MismatchError)."""
+        if fingerprint != self.fingerprint:
+            raise MismatchError(
+                f"plan was made for model {self.model.get('model')!r} (fingerprint {self.fingerprint}), "
+                f"not for fingerprint {fingerprint}"
+            )
+
+    def save(self, path: str | Path) -> Path:
+        """Write the plan directory atomically; returns its path."""
+        path = Path(path)
+        meta = {
+            "format": PLAN_FORMAT,
+            "format_version": PLAN_FORMAT_VERSION,
+            "model": self.model,
+            "fingerprint": self.fingerprint,
+            "ep_size": self.ep_size,
+            "method": self.method,
+            "seed": int(self.seed),
+            "config": self.config,
+            "ngram_order": int(self.ngram_order),
+            "reports": self.reports,
+            "created_by": _created_by(),
+        }
+        arrays = {
+            "expert_to_device": self.expert_to_device,
+            "token_to_device": self.token_to_device,
+            "token_confidence": self.token_confidence,
+        }
+        if self.ngram_to_device is not None:
+            arrays["ngram_to_device"] = self.ngram_to_device
+            arrays["ngram_confidence"] = self.ngram_confidence
+        buffer = io.BytesIO()
+        np.savez_compressed(buffer, **arrays)
+        with atomic_path(path) as tmp:
+            tmp.mkdir()
+            (tmp / "tables.npz").write_bytes(buffer.getvalue())
+            (tmp / "plan.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        path = Path(path)
+        meta_path, tables_path = path / "plan.json", path / "tables.npz"
+        if not meta_path.is_file() or not tables_path.is_file():
+            raise InputError(f"{path} is not a plan directory (plan.json and tables.npz expected)")
+        try:
+            meta = json.loads(meta_path.read_text())
+        except json.JSONDecodeError as e:
+            raise SchemaError(f"{meta_path}: not JSON ({e})") from e
+        if meta.get("format") != PLAN_FORMAT:
+            raise SchemaError(f"{meta_path}: format {meta.get('format')!r} is not {PLAN_FORMAT!r}")
+        if meta.get("format_version") != PLAN_FORMAT_VERSION:
+            raise SchemaError(
+                f"{meta_path}: format_version {meta.get('format_version')!r} is not supported "
+                f"(expected {PLAN_FORMAT_VERSION})"
+            )
+        with np.load(tables_path, allow_pickle=False) as tables:
+            arrays = {k: tables[k] for k in tables.files}
+        for key in ("expert_to_device", "token_to_device", "token_confidence"):
+            if key not in arrays:
+                raise SchemaError(f"{tables_path}: missing table {key!r}")
+        return cls(
+            model=meta["model"], fingerprint=meta["fingerprint"], ep_size=meta["ep_size"],
+            method=meta["method"], seed=meta["seed"], config=meta.get("config", {}),
+            expert_to_device=arrays["expert_to_device"], token_to_device=arrays["token_to_device"],
+            token_confidence=arrays["token_confidence"], ngram_order=meta.get("ngram_order", 0),
+            ngram_to_device=arrays.get("ngram_to_device"), ngram_confidence=arrays.get("ngram_confidence"),
+            reports=meta.get("reports", []),
+        )  # fmt: skip
+
+
+def _expect(arr: np.ndarray, name: str, shape: tuple[int, ...]) -> None:
+    if arr.shape != shape:
+        raise SchemaError(f"plan: {name} has shape {arr.shape}, expected {shape}")
+
+
+def _created_by() -> str:
+    try:
+        from importlib.metadata import version
+
+        return f"moeplan {version('moeplan')}"
+    except Exception:  # pragma: no cover - not installed
+        return "moeplan"

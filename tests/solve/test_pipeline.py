@@ -1,0 +1,131 @@
+"""predictor -> plan -> bundle -> held-out metrics, and the CLI commands that chain them."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from planner.cli.main import main
+from planner.errors import InputError, MismatchError
+from planner.evaluate import evaluate_bundle
+from planner.evaluate.compare import compare_methods
+from planner.export import bundle_from_plan, load_tables
+from planner.predict.fit import FitConfig, fit_predictor
+from planner.predict.split import RequestSplit, split_trace
+from planner.solve.pipeline import PlanConfig, make_plan
+from planner.solve.plan import Plan
+from planner.trace import open_trace
+from planner.trace.synth import SynthConfig, synthesize
+
+# Strong planted affinity: a good plan keeps most activations local.
+SYNTH = SynthConfig(
+    num_layers=3, num_experts=8, top_k=2, vocab_size=300, num_tokens=6000, num_requests=60,
+    affinity=0.9, layer_correlation=0.3, expert_zipf=0.0, num_domains=2, seed=5,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pipeline")
+    trace = synthesize(SYNTH, d / "trace")
+    summary = split_trace(trace, d / "fit", d / "held", 0.5, seed=0)
+    predictor = fit_predictor(d / "fit", FitConfig()).predictor
+    return d, trace, summary, predictor
+
+
+def test_split_is_by_request_and_matches_fit_holdout(pipeline):
+    d, trace, summary, _ = pipeline
+    fit_ids = set(open_trace(d / "fit").request_ids().tolist())
+    held_ids = set(open_trace(d / "held").request_ids().tolist())
+    assert not fit_ids & held_ids and len(fit_ids | held_ids) == 60
+    assert summary["fit_tokens"] + summary["heldout_tokens"] == open_trace(trace).num_rows
+    # `fit --holdout 0.5 --seed 0` holds out exactly the same requests.
+    same = RequestSplit.make(open_trace(trace).request_ids(), 0.5, 0)
+    assert set(same.heldout_ids.tolist()) == held_ids
+
+
+def test_plan_covers_the_vocabulary_and_beats_vanilla(pipeline, tmp_path):
+    d, _, _, predictor = pipeline
+    plan = make_plan(predictor, PlanConfig("ceo", ep_size=4), progress=False)
+    assert plan.token_to_device.shape == (3, 300) and plan.ngram_order == 2
+    assert plan.ngram_to_device.shape == (3, 16)
+    plan.save(tmp_path / "plan")
+    again = Plan.load(tmp_path / "plan")
+    np.testing.assert_array_equal(again.expert_to_device, plan.expert_to_device)
+    bundle = load_tables(tmp_path / "plan")
+    assert bundle == bundle_from_plan(plan)
+    ov = evaluate_bundle(bundle, open_trace(d / "held"))["overall"]
+    assert ov["lar_balanced"] > 1.8 * ov["lar_vanilla"]
+    assert ov["lar_balanced"] <= ov["oracle_bound"] + 1e-9
+    assert ov["token_imbalance_balanced"] <= 1.1 + 4 / 4096 + 1e-9
+
+
+def test_same_seed_same_plan_any_jobs(pipeline):
+    _, _, _, predictor = pipeline
+    a = make_plan(predictor, PlanConfig("kmeans", ep_size=4, seed=1), progress=False)
+    b = make_plan(predictor, PlanConfig("kmeans", ep_size=4, seed=1, jobs=2), progress=False)
+    np.testing.assert_array_equal(a.expert_to_device, b.expert_to_device)
+    np.testing.assert_array_equal(a.token_to_device, b.token_to_device)
+
+
+def test_compare_rows_and_ratios(pipeline):
+    d, _, _, predictor = pipeline
+    result = compare_methods(
+        predictor, open_trace(d / "held"), ["ceo", "metis", "vanilla"], PlanConfig(ep_size=4)
+    )
+    rows = {r["method"]: r for r in result["rows"]}
+    assert result["best_baseline"] == "metis"
+    assert rows["metis"]["ratio_to_best_baseline"] == 1.0
+    assert rows["ceo"]["lar_balanced"] > rows["vanilla"]["lar_balanced"]
+    for r in rows.values():
+        assert r["gap_to_bound"] == pytest.approx(
+            result["oracle_bound"] - r["lar_balanced"], abs=1e-6
+        )
+
+
+def test_errors(pipeline):
+    d, _, _, predictor = pipeline
+    with pytest.raises(InputError, match="must divide the 8 experts"):
+        make_plan(predictor, PlanConfig(ep_size=3), progress=False)
+    with pytest.raises(InputError, match="unknown solver"):
+        PlanConfig(method="magic")
+    other = synthesize(SynthConfig(**(SYNTH.__dict__ | {"model": "other"})), d / "other.parquet")
+    with pytest.raises(MismatchError):
+        compare_methods(predictor, open_trace(other), ["vanilla"], PlanConfig(ep_size=4))
+
+
+def test_cli_chain(pipeline, tmp_path, capsys):
+    d, _, _, _ = pipeline
+    pred, plan, bundle = tmp_path / "pred", tmp_path / "plan", tmp_path / "bundle"
+    assert main(["fit", str(d / "fit"), "--out", str(pred), "--json"]) == 0
+    capsys.readouterr()
+    assert (
+        main(["solve", str(pred), "--ep", "2", "--method", "metis", "--out", str(plan), "--json"])
+        == 0
+    )
+    reports = json.loads(capsys.readouterr().out)["reports"]
+    assert len(reports) == 3 and all(r["method"] == "metis" for r in reports)
+    assert main(["export", str(plan), "--out", str(bundle), "--format", "moeplan,sglang"]) == 0
+    assert main(["evaluate", str(bundle), str(d / "held"), "--json"]) == 0
+    capsys.readouterr()
+    assert (
+        main(
+            [
+                "compare",
+                str(pred),
+                str(d / "held"),
+                "--ep",
+                "2",
+                "--methods",
+                "vanilla,kmeans",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert [r["method"] for r in out["rows"]] == ["vanilla", "kmeans"]
+    assert main(["solve", str(pred), "--ep", "3", "--out", str(tmp_path / "bad")]) == 2
+    assert "must divide" in capsys.readouterr().err

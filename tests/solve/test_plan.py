@@ -1,0 +1,86 @@
+"""Whole-model solving and the Plan artifact."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from planner.errors import InputError, MismatchError, SchemaError
+from planner.solve.plan import Plan, layer_seed, solve_model
+from planner.solve.problem import SolverConfig
+from tests.solve.instances import random_problem
+
+
+def test_layers_get_distinct_reproducible_seeds() -> None:
+    seeds = [layer_seed(7, layer) for layer in range(5)]
+    assert len(set(seeds)) == 5
+    assert seeds == [layer_seed(7, layer) for layer in range(5)]
+    assert layer_seed(8, 0) != seeds[0]
+
+
+def test_parallel_solve_matches_serial() -> None:
+    problems = [random_problem(80, 8, 2, seed=s, layer=s) for s in range(3)]
+    config = SolverConfig(seed=3)
+    serial = solve_model(problems, "ceo", config, jobs=1, progress=False)
+    parallel = solve_model(problems, "ceo", config, jobs=2, progress=False)
+    for a, b in zip(serial, parallel, strict=True):
+        np.testing.assert_array_equal(a.expert_to_device, b.expert_to_device)
+        np.testing.assert_array_equal(a.token_to_device, b.token_to_device)
+        assert a.seed == b.seed
+    assert len({p.seed for p in serial}) == 3
+
+
+def test_solve_model_rejects_unknown_method_and_jobs() -> None:
+    with pytest.raises(InputError, match="unknown solver"):
+        solve_model([random_problem(10, 4, 2)], "nope", progress=False)
+    with pytest.raises(InputError, match="jobs"):
+        solve_model([random_problem(10, 4, 2)], "vanilla", jobs=0, progress=False)
+
+
+def _plan(**changes) -> Plan:
+    rng = np.random.default_rng(0)
+    layers, n, v, e = 2, 8, 20, 4
+    base = {
+        "model": {"model": "test/tiny", "num_layers": layers, "num_experts": n, "top_k": 2, "vocab_size": v},
+        "fingerprint": "0123456789abcdef",
+        "ep_size": e, "method": "ceo", "seed": 0, "config": {"seed": 0},
+        "expert_to_device": np.stack([rng.permutation(np.arange(n) // 2) for _ in range(layers)]),
+        "token_to_device": rng.integers(0, e, (layers, v)),
+        "token_confidence": rng.random((layers, v)),
+        "reports": [{"method": "ceo"}, {"method": "ceo"}],
+    }  # fmt: skip
+    return Plan(**{**base, **changes})
+
+
+def test_plan_round_trip(tmp_path) -> None:
+    plan = _plan(
+        ngram_order=2, ngram_to_device=np.zeros((2, 16), int), ngram_confidence=np.zeros((2, 16))
+    )
+    path = plan.save(tmp_path / "plan")
+    loaded = Plan.load(path)
+    for name in ("expert_to_device", "token_to_device", "token_confidence", "ngram_to_device"):
+        np.testing.assert_array_equal(getattr(loaded, name), getattr(plan, name))
+    assert loaded.token_to_device.dtype == np.int16 and loaded.token_confidence.dtype == np.float16
+    assert loaded.model == plan.model and loaded.reports == plan.reports
+    meta = json.loads((path / "plan.json").read_text())
+    assert meta["format"] == "moeplan-plan" and meta["format_version"] == 1
+    loaded.check_model("0123456789abcdef")
+    with pytest.raises(MismatchError):
+        loaded.check_model("ffffffffffffffff")
+
+
+def test_plan_rejects_bad_tables(tmp_path) -> None:
+    with pytest.raises(SchemaError, match="experts per device"):
+        _plan(expert_to_device=np.zeros((2, 8), int))
+    with pytest.raises(SchemaError, match="shape"):
+        _plan(token_to_device=np.zeros((2, 19), int))
+    path = _plan().save(tmp_path / "plan")
+    meta = json.loads((path / "plan.json").read_text())
+    meta["format_version"] = 2
+    (path / "plan.json").write_text(json.dumps(meta))
+    with pytest.raises(SchemaError, match="format_version"):
+        Plan.load(path)
+    with pytest.raises(InputError, match="not a plan"):
+        Plan.load(tmp_path)

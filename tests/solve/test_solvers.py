@@ -1,0 +1,125 @@
+"""One suite over every solver in the registry (planner/solve/registry.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from planner.errors import InfeasibleError, InputError
+from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig
+from planner.solve.registry import SOLVERS, solve_layer
+from tests.solve.instances import random_problem
+
+METHODS = sorted(SOLVERS)
+HEURISTICS = ("ceo", "metis", "kmeans", "alternating")
+# keep the exact program small in the shared checks
+FAST = {"ilp": {"max_variables": 3000}}
+
+
+def config(seed: int = 0, **extra) -> SolverConfig:
+    return SolverConfig(seed=seed, time_limit=5, options={**FAST, **extra})
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_placement_is_valid(method: str, small_problem: LayerProblem) -> None:
+    p = solve_layer(small_problem, method, config())
+    assert isinstance(p, LayerPlacement)
+    assert p.method == method and p.seed == 0
+    p.validate(small_problem)
+    counts = np.bincount(p.expert_to_device, minlength=small_problem.ep_size)
+    assert (counts == small_problem.experts_per_device).all()
+    assert p.token_to_device.shape == (small_problem.num_tokens,)
+    assert p.token_to_device.min() >= 0 and p.token_to_device.max() < small_problem.ep_size
+    assert ((p.token_confidence >= 0) & (p.token_confidence <= 1)).all()
+    loads = p.device_loads(small_problem)
+    assert loads.max() <= small_problem.capacity + small_problem.load_slack + 1e-9
+    assert p.token_imbalance == pytest.approx(loads.max() / loads.mean())
+    assert 0.0 <= p.local_rate <= 1.0
+    assert p.objective == pytest.approx(p.local_rate * small_problem.total_activations)
+    assert p.seconds >= 0
+    report = p.report()
+    assert report["method"] == method and isinstance(report["info"], dict)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_same_seed_same_result(method: str) -> None:
+    problem = random_problem(120, 8, 2, top_k=2, seed=3)
+    a = solve_layer(problem, method, config(seed=5))
+    b = solve_layer(problem, method, config(seed=5))
+    np.testing.assert_array_equal(a.expert_to_device, b.expert_to_device)
+    np.testing.assert_array_equal(a.token_to_device, b.token_to_device)
+    assert a.objective == b.objective
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_penalty_mode(method: str) -> None:
+    problem = random_problem(80, 8, 4, top_k=2, seed=4, balance="penalty", theta=0.3)
+    p = solve_layer(problem, method, config())
+    p.validate(problem)
+    loads = p.device_loads(problem)
+    local = p.local_rate * problem.total_activations
+    deviation = np.abs(loads - problem.total_freq / problem.ep_size).sum()
+    assert p.objective == pytest.approx(0.7 * local - 0.3 * deviation)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_token_heavier_than_the_cap(method: str) -> None:
+    # one token carries 60% of the load: no placement can respect beta * S / E = 0.55 S
+    problem = random_problem(30, 8, 2, seed=6)
+    freq = problem.token_freq.copy()
+    freq[0] = 1.5 * freq[1:].sum()
+    w = problem.affinity.tolil()
+    w[0, :] = 0
+    w[0, 0], w[0, 1] = freq[0], freq[0]
+    heavy = LayerProblem(w.tocsr(), freq, 2)
+    p = solve_layer(heavy, method, config())
+    p.validate(heavy)  # within capacity + the heaviest token
+    assert p.device_loads(heavy).max() > heavy.capacity
+
+
+def _tiny(seed: int, e: int) -> LayerProblem:
+    return random_problem(12, 8, e, top_k=2, seed=seed, max_freq=6, zipf=0.5, noise=0.3)
+
+
+@pytest.mark.parametrize("seed,e", [(0, 2), (1, 2), (2, 4), (3, 4), (4, 4)])
+def test_ceo_within_3_percent_of_the_proven_optimum(seed: int, e: int) -> None:
+    problem = _tiny(seed, e)
+    exact = solve_layer(problem, "ilp", SolverConfig(time_limit=60))
+    assert exact.info["status"] == "optimal" and exact.info["exact"]
+    ceo = solve_layer(problem, "ceo", config(seed=seed))
+    assert ceo.objective >= 0.97 * exact.objective
+    assert ceo.objective <= exact.objective * (1 + 1e-9)  # nothing beats a proven optimum
+    for method in ("metis", "kmeans", "alternating"):  # loosely: no baseline is absurd
+        other = solve_layer(problem, method, config(seed=seed))
+        assert 0.7 * exact.objective <= other.objective <= exact.objective * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("method", HEURISTICS)
+def test_planted_clusters_are_recovered(method: str) -> None:
+    problem = random_problem(400, 16, 4, top_k=2, seed=7, clusters=4, noise=0.02)
+    p = solve_layer(problem, method, config())
+    assert p.local_rate >= 0.93
+    assert p.token_imbalance <= problem.beta + 1e-9
+
+
+def test_vanilla_is_the_contiguous_layout(small_problem: LayerProblem) -> None:
+    p = solve_layer(small_problem, "vanilla", config())
+    np.testing.assert_array_equal(p.expert_to_device, np.arange(16) // 4)
+    assert p.token_imbalance <= small_problem.beta + 1e-9
+
+
+@pytest.mark.parametrize("n,e", [(10, 4), (8, 16)])
+def test_infeasible_shapes(n: int, e: int) -> None:
+    with pytest.raises(InfeasibleError, match=rf"N={n}.*E={e}|E={e}.*N={n}"):
+        random_problem(10, n, e)
+
+
+def test_unknown_method_lists_the_names(small_problem: LayerProblem) -> None:
+    with pytest.raises(InputError, match="ceo, ilp, metis, kmeans, alternating, vanilla"):
+        solve_layer(small_problem, "simulated-annealing")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_unknown_option_is_rejected(method: str, small_problem: LayerProblem) -> None:
+    with pytest.raises(InputError, match="unknown option"):
+        solve_layer(small_problem, method, SolverConfig(options={method: {"no_such_knob": 1}}))
