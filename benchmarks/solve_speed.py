@@ -108,23 +108,34 @@ def _print_row(r: dict) -> None:
     )
 
 
-def whole_model(layers: int, occurrences: int, ep: int, jobs: int, seed: int) -> dict:
+def whole_model(layers: int, occurrences: int, eps: list[int], jobs: int, seed: int) -> list[dict]:
+    """Solve ``layers`` synthetic layers with ``solve_model(jobs=jobs)`` at each EP size."""
     from planner.solve.plan import solve_model
     from planner.solve.problem import LayerProblem, SolverConfig
 
     built = time.perf_counter()
-    problems = []
-    for layer in range(layers):
-        ids, w, a = synth_layer(occurrences, seed, layer)
-        problems.append(LayerProblem(w, a, ep, token_ids=ids, layer=layer))
+    layer_data = [synth_layer(occurrences, seed, layer) for layer in range(layers)]
     build_s = time.perf_counter() - built
-    started = time.perf_counter()
-    placements = solve_model(problems, "ceo", SolverConfig(seed=seed), jobs=jobs, progress=False)
-    return {
-        "layers": layers, "ep": ep, "jobs": jobs, "seconds": time.perf_counter() - started,
-        "build_seconds": build_s, "mean_lar": float(np.mean([p.local_rate for p in placements])),
-        "parent_peak_rss_mib": peak_rss_mib(),
-    }  # fmt: skip
+    out = []
+    for ep in eps:
+        problems = [
+            LayerProblem(w, a, ep, token_ids=ids, layer=layer)
+            for layer, (ids, w, a) in enumerate(layer_data)
+        ]
+        started = time.perf_counter()
+        placements = solve_model(
+            problems, "ceo", SolverConfig(seed=seed), jobs=jobs, progress=False
+        )
+        seconds = [p.seconds for p in placements]
+        out.append({
+            "layers": layers, "ep": ep, "jobs": jobs, "seconds": time.perf_counter() - started,
+            "layer_seconds_max": max(seconds), "layer_seconds_mean": float(np.mean(seconds)),
+            "build_seconds": build_s, "mean_lar": float(np.mean([p.local_rate for p in placements])),
+            "within_target": time.perf_counter() - started <= TARGET_MODEL_S,
+        })  # fmt: skip
+        print(f"model EP{ep}: {out[-1]['seconds']:.1f} s for {layers} layers with {jobs} jobs",
+              file=sys.stderr)  # fmt: skip
+    return out
 
 
 def main(argv=None) -> int:
@@ -159,9 +170,9 @@ def main(argv=None) -> int:
             ep: s * args.model_layers / max(1, args.jobs) for ep, s in ceo.items()
         }
     if args.full:
-        report["model"] = [
-            whole_model(args.model_layers, args.occurrences, ep, args.jobs, args.seed) for ep in eps
-        ]
+        report["model"] = whole_model(
+            args.model_layers, args.occurrences, eps, args.jobs, args.seed
+        )
     print(json.dumps(report, indent=2))
     return 0
 
