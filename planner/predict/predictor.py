@@ -6,7 +6,8 @@ Layout of a predictor directory (written atomically, all or nothing)::
                             metadata and fingerprint, settings, fit info, sha256 of files
     affinity.safetensors    token->expert counts per layer (CSR, end to end), nearest_known
     distribution.safetensors  distribution-only estimate [L, N] and its load counts
-    transitions.safetensors top-1 expert 4-tuples per layer (absent for counts tables)
+    transitions.safetensors (previous top-1 experts, routed expert, rank) tuples per layer
+                            (absent for counts tables)
     neural.safetensors      the neural predictor's weights (only with --neural)
     report.json             the held-out report (only with --holdout / --eval-domain)
 
@@ -34,7 +35,8 @@ from planner.predict.ngram import TopOneTransitions
 from planner.trace.schema import TraceMeta
 
 FORMAT = "moeplan-predictor"
-FORMAT_VERSION = 1
+# 2: transitions hold every routed expert of layer l with its rank (was top-1 only).
+FORMAT_VERSION = 2
 MANIFEST = "predictor.json"
 REPORT = "report.json"
 

@@ -30,10 +30,30 @@ def transitions_of(batch):
 def test_transition_tuples_on_a_hand_case():
     batch = chain_batch(META, np.array([3, 3, 5]), np.array([0, 0, 1]))
     t = transitions_of(batch)
-    keys, counts = t.layer(0)
-    assert keys.tolist() == [[-1, -1, -1, 3], [-1, -1, -1, 5]] and counts.tolist() == [2, 1]
-    keys, counts = t.layer(4)  # top-1 at layer l is (token + l) % 8
-    assert keys.tolist() == [[4, 5, 6, 7], [6, 7, 0, 1]] and counts.tolist() == [2, 1]
+    keys, counts = t.layer(0)  # rank r of layer l is expert (token + l + r) % 8
+    assert keys.tolist() == [
+        [-1, -1, -1, 3, 0], [-1, -1, -1, 4, 1], [-1, -1, -1, 5, 0], [-1, -1, -1, 6, 1]
+    ]  # fmt: skip
+    assert counts.tolist() == [2, 2, 1, 1]
+    keys, counts = t.layer(4)  # context: top-1 experts of layers 1..3
+    assert keys.tolist() == [[4, 5, 6, 0, 1], [4, 5, 6, 7, 0], [6, 7, 0, 1, 0], [6, 7, 0, 2, 1]]
+    assert counts.tolist() == [2, 2, 1, 1]
+
+
+def test_routed_target_counts_every_routed_expert():
+    """Context -> devices of all k routed experts: confidence is the expected local share."""
+    batch = chain_batch(META, np.array([0, 0, 0, 0]), np.arange(4))
+    t = transitions_of(batch)
+    # Layer 1 routes to experts (1, 2): put expert 1 on device 0, expert 2 on device 1.
+    e2d = np.array([[e % 2 for e in range(8)]] * 5, np.int16)
+    routed = fit_ngram_device_table(t, e2d, 2, order=1)
+    top1 = fit_ngram_device_table(t, e2d, 2, order=1, target="top1")
+    row = e2d[0, 0]  # layer 0's top-1 expert is 0
+    assert top1.to_device[1, row] == 1 and top1.confidence[1, row] == 1.0
+    # One of the two routed experts sits on each device: the tie goes to the top-1's device.
+    assert routed.to_device[1, row] == 1 and routed.confidence[1, row] == 0.5
+    with pytest.raises(InputError, match="target"):
+        fit_ngram_device_table(t, e2d, 2, target="all")
 
 
 def test_row_layout_is_base_e_with_the_most_recent_layer_last():
@@ -47,7 +67,7 @@ def test_deterministic_chain_gives_confidence_one_and_the_right_device():
     ep = 4
     # A scrambled placement: device of expert e at layer l = (e + l) % 4 ... any valid map works.
     e2d = np.array([[(e * 3 + layer) % ep for e in range(8)] for layer in range(5)], np.int16)
-    table = fit_ngram_device_table(t, e2d, ep, order=2)
+    table = fit_ngram_device_table(t, e2d, ep, order=2, target="top1")
     assert table.to_device.shape == (5, ep**2) and table.to_device.dtype == np.int16
     assert table.confidence.dtype == np.float16
     assert (table.confidence[:2] == 0).all()  # l < n: undefined
@@ -81,7 +101,7 @@ def test_identity_chain_with_contiguous_placement_is_perfectly_predictable():
     tokens = np.arange(8).repeat(4)
     batch = chain_batch(META, tokens, np.arange(tokens.size) // 4)
     e2d = contiguous_placement(META.num_layers, META.num_experts, 8)  # one expert per device
-    table = fit_ngram_device_table(transitions_of(batch), e2d, 8, order=1)
+    table = fit_ngram_device_table(transitions_of(batch), e2d, 8, order=1, target="top1")
     ev = evaluate_ngram_device_table(table, [batch.experts], e2d, META.top_k).summary()
     assert ev["top1_device_accuracy"]["overall"] == 1.0
     device, conf = predict_devices(table, batch.experts, e2d)

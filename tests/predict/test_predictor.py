@@ -46,7 +46,7 @@ def test_round_trip(fitted, tmp_path):
     b = fit_ngram_device_table(back.transitions, e2d, 4)
     np.testing.assert_array_equal(a.to_device, b.to_device)
     manifest = json.loads((out / MANIFEST).read_text())
-    assert manifest["format"] == "moeplan-predictor" and manifest["format_version"] == 1
+    assert manifest["format"] == "moeplan-predictor" and manifest["format_version"] == 2
     assert manifest["fingerprint"] == m.fingerprint()
     # Saving again over a predictor replaces it.
     fitted.save(out)
@@ -55,8 +55,8 @@ def test_round_trip(fitted, tmp_path):
 def test_wrong_version_and_corrupt_files_are_refused(fitted, tmp_path):
     out = fitted.save(tmp_path / "pred")
     manifest = json.loads((out / MANIFEST).read_text())
-    (out / MANIFEST).write_text(json.dumps(manifest | {"format_version": 2}))
-    with pytest.raises(SchemaError, match="format_version 2"):
+    (out / MANIFEST).write_text(json.dumps(manifest | {"format_version": 1}))
+    with pytest.raises(SchemaError, match="format_version 1"):
         Predictor.load(out)
     (out / MANIFEST).write_text(json.dumps(manifest | {"format": "other"}))
     with pytest.raises(SchemaError, match="format"):
