@@ -17,7 +17,8 @@ moeplan trace split "$out/trace" --fit-out "$out/fit" --heldout-out "$out/heldou
 
 echo "== 3. fit the predictors on the fitting half; report their accuracy on the held-out half"
 # --holdout 0.5 with the same seed holds out exactly the requests of step 2's held-out trace.
-moeplan fit "$out/trace" --holdout 0.5 --seed 0 --out "$out/predictor"
+# --ngram-routed keeps every routed expert in the n-gram statistics (better tables, slower fit).
+moeplan fit "$out/trace" --holdout 0.5 --seed 0 --ngram-routed --out "$out/predictor"
 
 echo "== 4. solve: place experts and tokens on $ep devices with CEO"
 moeplan solve "$out/predictor" --method ceo --ep "$ep" --out "$out/plan" --jobs 2

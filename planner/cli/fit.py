@@ -57,6 +57,11 @@ def fit(
         8, "--ep-size", help="Devices of the contiguous placement used for the n-gram figure."
     ),
     ngram_order: int = typer.Option(2, "--ngram-order", help="n of the n-gram figure (1-3)."),
+    ngram_routed: bool = typer.Option(
+        False,
+        "--ngram-routed",
+        help="Keep every routed expert in the n-gram statistics (better n-gram tables, slower fit).",
+    ),
     batch_rows: int = typer.Option(65536, "--batch-rows", help="Trace rows per chunk."),
     as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
 ) -> None:
@@ -83,6 +88,7 @@ def fit(
         neural_config=NeuralConfig(time_budget_s=neural_budget),
         ep_size=ep_size,
         ngram_order=ngram_order,
+        ngram_routed=ngram_routed,
         batch_rows=batch_rows,
         counts=CountsSelection(model, _csv(domain), num_experts, top_k, vocab_size),
         eval_domains=_csv(eval_domain),

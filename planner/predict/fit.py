@@ -58,6 +58,9 @@ class FitConfig:
         neural: also train the neural predictor.
         neural_config: its settings (its own seed is replaced by ``seed``).
         confident_threshold: share defining a token's confident expert set.
+        ngram_routed: keep every routed expert in the n-gram statistics (the "routed"
+            n-gram target of :mod:`planner.predict.ngram`; k times more tuples, slower fit),
+            else the top-1 expert only (the paper's statistic).
         ep_size, ngram_order: the indicative n-gram figure of the report uses the
             contiguous placement on ``ep_size`` devices.
         batch_rows: trace rows per chunk.
@@ -76,6 +79,7 @@ class FitConfig:
     confident_threshold: float = 0.5
     ep_size: int = 8
     ngram_order: int = 2
+    ngram_routed: bool = False
     batch_rows: int = DEFAULT_BATCH_ROWS
     counts: CountsSelection = field(default_factory=CountsSelection)
     eval_domains: tuple[str, ...] = ()
@@ -136,7 +140,7 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
     if config.holdout is not None:
         split = RequestSplit.make(trace.request_ids(), config.holdout, config.seed)
     acc = CountsAccumulator(meta)
-    transitions = TransitionAccumulator(meta.num_layers, meta.num_experts)
+    transitions = TransitionAccumulator(meta.num_layers, meta.num_experts, config.ngram_routed)
     unknown_load = np.zeros((meta.num_layers, meta.num_experts), np.int64)
     # Per-batch loads only for a moving average: the MLE is the counts' column sums.
     ema = config.distribution_momentum is not None

@@ -54,6 +54,15 @@ def test_routed_target_counts_every_routed_expert():
     assert routed.to_device[1, row] == 1 and routed.confidence[1, row] == 0.5
     with pytest.raises(InputError, match="target"):
         fit_ngram_device_table(t, e2d, 2, target="all")
+    # Top-1-only statistics (the paper's, a faster fit) give the paper's table either way.
+    acc = TransitionAccumulator(META.num_layers, META.num_experts, routed=False)
+    acc.add(batch.experts)
+    lean = acc.result()
+    assert (lean.keys[:, 4] == 0).all()
+    for target in ("routed", "top1"):
+        table = fit_ngram_device_table(lean, e2d, 2, order=1, target=target)
+        np.testing.assert_array_equal(table.to_device, top1.to_device)
+        np.testing.assert_array_equal(table.confidence, top1.confidence)
 
 
 def test_row_layout_is_base_e_with_the_most_recent_layer_last():
