@@ -92,6 +92,7 @@ def compare(
     batch_tokens: int = typer.Option(
         4096, "--batch-tokens", help="Tokens per runtime batch for the balanced LAR."
     ),
+    options: str = typer.Option(None, "--options", help="Per-method solver options as JSON."),
     as_json: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
 ) -> None:
     """Solve with each method and compare held-out LAR, balance and time, with the oracle bound."""
@@ -103,7 +104,7 @@ def compare(
         )
     pred = load_predictor(predictor)
     trace = open_trace(heldout)
-    config = PlanConfig(names[0], ep, beta, seed, jobs, time_limit, ngram_order)
+    config = PlanConfig(names[0], ep, beta, seed, jobs, time_limit, ngram_order, _options(options))
     result = compare_methods(
         pred, trace, names, config, EvalConfig(batch_tokens=batch_tokens), progress=not as_json
     )
