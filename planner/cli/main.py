@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
-import typer
+# Idle OpenMP threads busy-wait by default; on a small shared CPU that made profiling the
+# example model ~10x slower. Must be set before torch is imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from planner.cli import export as _export  # noqa: F401
+import typer  # noqa: E402
 
 # Importing the command modules registers their commands on the apps.
+from planner.cli import export as _export  # noqa: F401
 from planner.cli import fit as _fit  # noqa: F401
 from planner.cli import profile as _profile  # noqa: F401
 from planner.cli import solve as _solve  # noqa: F401
