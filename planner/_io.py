@@ -7,6 +7,7 @@ directory (same filesystem), then moved into place with ``os.replace``.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -54,3 +55,12 @@ def write_bytes_atomic(dest: str | os.PathLike, data: bytes) -> None:
 
 def write_json_atomic(dest: str | os.PathLike, obj: object) -> None:
     write_bytes_atomic(dest, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file, read in 4 MiB blocks (artifact manifests record it)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -47,7 +47,7 @@ import safetensors
 import safetensors.numpy
 
 from planner import __version__
-from planner._io import atomic_path
+from planner._io import atomic_path, sha256_file
 from planner.errors import InputError, MismatchError, SchemaError
 from planner.trace.schema import TraceMeta
 
@@ -457,14 +457,6 @@ def _table_problems(
 # Save / load
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def save_bundle(
     bundle: Bundle,
     path: str | os.PathLike,
@@ -486,7 +478,9 @@ def save_bundle(
         safetensors.numpy.save_file(
             {k: np.ascontiguousarray(v) for k, v in bundle.tables().items()}, tables_path
         )
-        files = {TABLES_FILE: {"sha256": _sha256(tables_path), "bytes": tables_path.stat().st_size}}
+        files = {
+            TABLES_FILE: {"sha256": sha256_file(tables_path), "bytes": tables_path.stat().st_size}
+        }
         for name, data in sorted((extra_files or {}).items()):
             (tmp / name).write_bytes(data)
             files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
@@ -559,7 +553,7 @@ def _check_files(path: Path, manifest: Mapping[str, Any]) -> None:
         want = entry.get("sha256") if isinstance(entry, dict) else None
         if not isinstance(want, str):
             raise SchemaError(f"bundle {path}: manifest gives no sha256 for {name}")
-        if _sha256(fpath) != want:
+        if sha256_file(fpath) != want:
             raise SchemaError(f"bundle {path}: {name} sha256 mismatch (file changed or corrupt)")
 
 

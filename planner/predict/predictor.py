@@ -18,7 +18,6 @@ a predictor compare :attr:`Predictor.fingerprint` with their trace's.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from planner import __version__
-from planner._io import atomic_path
+from planner._io import atomic_path, sha256_file
 from planner.errors import InputError, MismatchError, SchemaError
 from planner.predict.affinity import TokenExpertAffinity
 from planner.predict.distribution import DistributionPredictor
@@ -115,10 +114,10 @@ class Predictor:
             files = {}
             for name, arrays in tensors.items():
                 save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp / name))
-                files[name] = {"sha256": _sha256(tmp / name)}
+                files[name] = {"sha256": sha256_file(tmp / name)}
             if self.report is not None:
                 (tmp / REPORT).write_text(json.dumps(self.report, indent=2) + "\n")
-                files[REPORT] = {"sha256": _sha256(tmp / REPORT)}
+                files[REPORT] = {"sha256": sha256_file(tmp / REPORT)}
             manifest = {
                 "format": FORMAT,
                 "format_version": FORMAT_VERSION,
@@ -171,7 +170,7 @@ class Predictor:
             f = path / name
             if not f.is_file():
                 raise SchemaError(f"{path}: file {name} listed in the manifest is missing")
-            if _sha256(f) != info.get("sha256"):
+            if sha256_file(f) != info.get("sha256"):
                 raise SchemaError(f"{f}: checksum mismatch; the file is corrupt or was edited")
 
         def tensors(name: str) -> dict[str, np.ndarray]:
@@ -230,14 +229,6 @@ def check_destination(path: str | Path) -> Path:
             f"{path}: is a non-empty directory that is not a predictor; choose another --out"
         )
     return path
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def load_predictor(path: str | Path, meta: TraceMeta | None = None) -> Predictor:
