@@ -20,21 +20,32 @@ towards them, repeat.
   ``P_tk``, then the shared repairs (exactly N/E experts per device, token loads within the
   cap, keeping the most probable tokens in place).
 
-``variant="improved"`` (the default) changes four things, each switchable so that the
-benchmark can show its effect (``benchmarks/solve_quality.py``):
+``variant="improved"`` (the default) keeps the cross-entropy loop over expert placements
+(balanced sampling, elite fraction, smoothing) and changes what is sampled and scored; each
+change has a switch, and ``benchmarks/solve_quality.py`` shows its effect:
 
-- ``assign_tokens``: only expert placements are sampled; each is scored with the shared
-  capacity assignment of tokens (:func:`planner.solve.common.assign_tokens`), i.e. the best
-  tokens for those experts, instead of an independently drawn token sample. To keep this
-  fast, samples are scored on the ``score_tokens`` most frequent tokens only (capacity scaled
-  to their load), and price warm starts carry over between samples;
+- ``assign_tokens``: only expert placements are sampled (N/E per device by construction);
+  each is scored with its best tokens, the shared capacity assignment
+  (:func:`planner.solve.common.assign_tokens`), instead of an independent token sample.
+  Scoring uses the ``score_tokens`` most frequent tokens (capacity scaled to their load;
+  about 16k gain entries by default), with dual prices warm-started between samples;
 - ``align_labels``: device labels are arbitrary, so elite samples are relabelled (linear
   assignment on their overlap with the best placement so far) before they are averaged;
-  without this the elite frequencies of symmetric relabellings cancel out;
-- ``polish``: the best placement is handed to the shared alternating polish (exact best
-  experts for the tokens, then the capacity assignment, until no gain) on all tokens;
-- ``restarts``: the whole search runs from several seeds derived from the seed and the best
-  final objective is kept.
+- ``local_search``: every sample is first improved by the shared local search
+  (:func:`planner.solve.common.polish` on the scoring tokens, at most ``search_rounds``
+  rounds; ``search_swaps`` adds priced expert swaps), so the distribution learns from local
+  optima (a memetic cross-entropy method). This is the change that matters most. The
+  loop stops after ``iterations`` rounds, or restarts from the uniform distribution after
+  ``patience`` rounds without a better sample (``restarts`` times at most);
+- ``polish``: the ``screen`` best distinct placements found are re-scored on all tokens and
+  the best ``candidates`` are polished on all tokens (exact expert moves, then swaps).
+
+Time: ``time_budget`` seconds (soft, default 6.5) per layer: the search stops after
+``search_share`` of it, the final polish at the budget; ``SolverConfig.time_limit`` is a
+hard limit on both. When the budget cuts the search, the result depends on the machine's
+speed (``info["search_cut_by_budget"]``); with ``time_budget=None`` it depends on the seed
+only. ``warm_start`` (off by default) starts the distribution around a balanced k-means
+clustering of the experts instead of uniform.
 
 Token confidence is the share of the token's predicted activations local on its device, as
 for every solver (the paper's probability ``P_tk`` is reported in ``info`` for the paper
@@ -52,6 +63,7 @@ from scipy.optimize import linear_sum_assignment
 from planner.errors import InputError
 from planner.solve.common import (
     assign_for_problem,
+    canonical_labels,
     check_options,
     device_gains,
     finish,
@@ -68,7 +80,9 @@ VARIANTS = ("improved", "paper")
 DEFAULTS: dict[str, object] = {
     "variant": "improved",
     "samples": None,  # K samples per iteration (None: 32 paper, 8 improved)
-    "iterations": None,  # rounds (None: 40 paper, 8 improved)
+    "iterations": None,  # rounds at most (None: 40 paper, 30 improved)
+    "patience": 5,  # improved: rounds without a better sample before a restart (0: never)
+    "restarts": 2,  # improved: restarts from the uniform distribution before stopping
     "elite": 0.2,  # ρ, elite fraction
     "smoothing": 0.7,  # weight of the elite frequencies in the update
     "token_block": 256,  # paper: tokens drawn per block between mask updates
@@ -83,10 +97,13 @@ DEFAULTS: dict[str, object] = {
     # (0 or None: uniform start, as in the paper)
     "warm_start": None,
     "explore": 0.02,  # mixed into P each round so no device probability reaches 0
-    "candidates": 3,  # best distinct placements polished on all tokens
-    "score_tokens": 1024,  # tokens used to score samples (most frequent first)
+    "screen": 9,  # best distinct placements of the search re-scored on all tokens
+    "candidates": 3,  # of those, the best polished on all tokens
+    # tokens used to score samples, most frequent first (None: max(1024, 16384 // E), so
+    # the scoring gain matrix has about 16k entries whatever E is)
+    "score_tokens": None,
     "price_sweeps": 4,  # dual-price sweeps per token assignment while searching
-    "time_budget": 7.0,  # soft seconds per layer (None: unlimited); the time limit is hard
+    "time_budget": 6.5,  # soft seconds per layer (None: unlimited); the time limit is hard
     "search_share": 0.6,  # share of the budget for the search, the rest for the final polish
 }
 
@@ -176,16 +193,19 @@ def _onehot_mean(labels: np.ndarray, e: int) -> np.ndarray:
     return counts / k
 
 
-def align(
-    labels: np.ndarray, reference: np.ndarray, e: int, weight: np.ndarray | None = None
-) -> np.ndarray:
-    """Relabel devices of ``labels`` [M] to overlap ``reference`` [M] the most (LSA)."""
+def relabel_map(labels: np.ndarray, reference: np.ndarray, e: int) -> np.ndarray:
+    """[E] device map sending ``labels`` [M] onto ``reference`` [M] with most overlap (LSA)."""
     overlap = np.zeros((e, e))
-    np.add.at(overlap, (reference, labels), 1.0 if weight is None else weight)
+    np.add.at(overlap, (reference, labels), 1.0)
     ref_dev, lab_dev = linear_sum_assignment(overlap, maximize=True)
     mapping = np.empty(e, dtype=np.int64)
     mapping[lab_dev] = ref_dev
-    return mapping[labels]
+    return mapping
+
+
+def align(labels: np.ndarray, reference: np.ndarray, e: int) -> np.ndarray:
+    """``labels`` [M] relabelled to overlap ``reference`` [M] the most."""
+    return relabel_map(labels, reference, e)[labels]
 
 
 # Paper variant ------------------------------------------------------------------------------
@@ -193,9 +213,40 @@ def align(
 
 def _solve_paper(problem: LayerProblem, opts: dict, seed: int, deadline: float | None):
     rng = np.random.default_rng(seed)
-    n, e, per = problem.num_experts, problem.ep_size, problem.experts_per_device
     num_samples = int(opts["samples"] or 32)
     iterations = int(opts["iterations"] or 40)
+    p_ep, p_tk, done, cut = _cross_entropy_joint(
+        problem,
+        opts,
+        rng,
+        num_samples,
+        iterations,
+        deadline,
+        align_labels=False,
+        random_order=False,
+    )
+    x = repair_expert_counts(p_ep.argmax(axis=1), p_ep.T, problem.experts_per_device)
+    gain = device_gains(problem, x)
+    t = rebalance_tokens(problem, p_tk.argmax(axis=1), gain, priority=p_tk.max(axis=1))
+    info = {
+        "variant": "paper",
+        "iterations": done,
+        "samples": num_samples,
+        "cut_by_time_limit": cut,
+        "mean_token_probability": float(p_tk.max(axis=1).mean()) if problem.num_tokens else 0.0,
+    }
+    return x, t, info
+
+
+def _cross_entropy_joint(
+    problem, opts, rng, num_samples, iterations, deadline, *, align_labels, random_order
+):
+    """Algorithm 1's loop: sample experts and tokens, score, update. -> (P_ep, P_tk, iters, cut).
+
+    ``random_order`` draws the experts of each sample in a random order (index order in the
+    paper); ``align_labels`` relabels elite pairs onto the best sample so far.
+    """
+    n, e, per = problem.num_experts, problem.ep_size, problem.experts_per_device
     n_elite = max(1, math.ceil(float(opts["elite"]) * num_samples))
     alpha = float(opts["smoothing"])
     act = problem.token_activations
@@ -204,27 +255,29 @@ def _solve_paper(problem: LayerProblem, opts: dict, seed: int, deadline: float |
     p_tk = np.full((problem.num_tokens, e), 1.0 / e)
     w = problem.affinity
     rows, cols, vals = problem.nnz_rows, w.indices, w.data
-    done = 0
-    for done in range(1, iterations + 1):  # noqa: B007
+    best_score, best_ep = -np.inf, None
+    done, cut = 0, False
+    for _ in range(iterations):
         if deadline is not None and time.perf_counter() > deadline:
+            cut = True
             break
-        ep = sample_balanced(rng, p_ep, num_samples, np.ones(n), per)
+        order = np.argsort(rng.random((num_samples, n)), axis=1) if random_order else None
+        ep = sample_balanced(rng, p_ep, num_samples, np.ones(n), per, order=order)
         tk = sample_balanced(rng, p_tk, num_samples, act, token_cap, block=int(opts["token_block"]))
         # score: local activations of each (expert sample, token sample) pair
         scores = np.array([vals[ep[s, cols] == tk[s, rows]].sum() for s in range(num_samples)])
-        elite = np.argsort(-scores, kind="stable")[:n_elite]
-        p_ep = alpha * _onehot_mean(ep[elite], e) + (1 - alpha) * p_ep
-        p_tk = alpha * _onehot_mean(tk[elite], e) + (1 - alpha) * p_tk
-    x = repair_expert_counts(p_ep.argmax(axis=1), p_ep.T, per)
-    gain = device_gains(problem, x)
-    t = rebalance_tokens(problem, p_tk.argmax(axis=1), gain, priority=p_tk.max(axis=1))
-    info = {
-        "variant": "paper",
-        "iterations": done,
-        "samples": num_samples,
-        "mean_token_probability": float(p_tk.max(axis=1).mean()) if problem.num_tokens else 0.0,
-    }
-    return x, t, info
+        ranked = np.argsort(-scores, kind="stable")
+        if scores[ranked[0]] > best_score:
+            best_score, best_ep = float(scores[ranked[0]]), ep[ranked[0]].copy()
+        ep_elite, tk_elite = ep[ranked[:n_elite]], tk[ranked[:n_elite]]
+        if align_labels:
+            maps = [relabel_map(s, best_ep, e) for s in ep_elite]
+            ep_elite = np.stack([m[s] for m, s in zip(maps, ep_elite, strict=True)])
+            tk_elite = np.stack([m[s] for m, s in zip(maps, tk_elite, strict=True)])
+        p_ep = alpha * _onehot_mean(ep_elite, e) + (1 - alpha) * p_ep
+        p_tk = alpha * _onehot_mean(tk_elite, e) + (1 - alpha) * p_tk
+        done += 1
+    return p_ep, p_tk, done, cut
 
 
 # Improved variant ---------------------------------------------------------------------------
@@ -258,14 +311,15 @@ class _Scorer:
     def __call__(self, x: np.ndarray) -> tuple[np.ndarray, float]:
         sub = self.problem
         gain = device_gains(sub, x)
-        result = assign_for_problem(sub, gain, prices=self.prices, sweeps=self.sweeps)
+        result = assign_for_problem(sub, gain, prices=self.prices, sweeps=self.sweeps, exact=False)
         if self.prices is None:
             self.prices = result.prices
         t = result.token_to_device
         if self.local_search:
             x, t, _ = polish(
-                sub, x, t, sweeps=self.sweeps, max_rounds=self.rounds, swaps=self.swaps
-            )
+                sub, x, t, sweeps=self.sweeps, max_rounds=self.rounds, swaps=self.swaps,
+                exact=False,
+            )  # fmt: skip
             gain = device_gains(sub, x)
         return x, objective(sub, gain, t)
 
@@ -279,7 +333,7 @@ def _solve_improved(
 ):
     rng = np.random.default_rng(seed)
     num_samples = int(opts["samples"] or 8)
-    iterations = int(opts["iterations"] or 8)
+    iterations = int(opts["iterations"] or 30)
     # soft budget: the search gets its share, the final polish the rest
     budget = opts["time_budget"]
     search_end, polish_end = deadline, deadline
@@ -287,21 +341,31 @@ def _solve_improved(
         search_end = _earliest(deadline, started + float(opts["search_share"]) * float(budget))
         polish_end = _earliest(deadline, started + float(budget))
     if opts["assign_tokens"]:
-        candidates, its = _cross_entropy_experts(
+        candidates, its, cut = _cross_entropy_experts(
             problem, opts, rng, num_samples, iterations, search_end
         )
         tokens = [None] * len(candidates)
     else:
-        x, t, its = _cross_entropy_joint(problem, opts, rng, num_samples, iterations, search_end)
-        candidates, tokens = [x], [t]
-    best, log = None, []
+        p_ep, p_tk, its, cut = _cross_entropy_joint(
+            problem, opts, rng, num_samples, iterations, search_end,
+            align_labels=bool(opts["align_labels"]), random_order=True,
+        )  # fmt: skip
+        x = repair_expert_counts(p_ep.argmax(axis=1), p_ep.T, problem.experts_per_device)
+        candidates, tokens = [x], [p_tk.argmax(axis=1)]
+    # screen the distinct candidates on all tokens, then polish the best few
+    screened = []
     for x, t in zip(candidates, tokens, strict=True):
         gain = device_gains(problem, x)
         if t is None:
             t = assign_for_problem(problem, gain, sweeps=10).token_to_device
         else:
             t = rebalance_tokens(problem, t, gain, priority=gain[np.arange(t.size), t])
-        obj_ce = objective(problem, gain, t)
+        screened.append((objective(problem, gain, t), x, t))
+        if not opts["polish"] or (polish_end is not None and time.perf_counter() > polish_end):
+            break
+    screened.sort(key=lambda item: -item[0])
+    best, log = None, []
+    for obj_ce, x, t in screened[: max(1, int(opts["candidates"]))]:
         rounds = 0
         if opts["polish"]:
             # cheap exact-expert rounds first, then rounds with swaps while time remains
@@ -325,7 +389,9 @@ def _solve_improved(
         "variant": "improved",
         **flags,
         "samples": num_samples,
-        "iterations": its,
+        "iterations": its[0] if isinstance(its, tuple) else its,
+        "restarts_used": its[1] if isinstance(its, tuple) else 0,
+        "search_cut_by_budget": cut,
         "candidates": log,
     }
     return x, t, info
@@ -342,7 +408,7 @@ def _cross_entropy_experts(problem, opts, rng, num_samples, iterations, deadline
     explore = float(opts["explore"])
     scorer = _Scorer(
         problem,
-        int(opts["score_tokens"]),
+        int(opts["score_tokens"] or max(1024, 16384 // problem.ep_size)),
         int(opts["price_sweeps"]),
         bool(opts["local_search"]),
         bool(opts["search_swaps"]),
@@ -357,79 +423,38 @@ def _cross_entropy_experts(problem, opts, rng, num_samples, iterations, deadline
         ) * p_ep
     found: dict[bytes, tuple[float, np.ndarray]] = {}
     best_x, best_score = None, -np.inf
-    done = 0
-    for done in range(1, iterations + 1):  # noqa: B007
+    done, cut, stale, restarts = 0, False, 0, 0
+    patience = int(opts["patience"])
+    for _ in range(iterations):
         if deadline is not None and time.perf_counter() > deadline:
+            cut = True
             break
+        if patience and stale >= patience:
+            # converged without progress: start again from the uniform distribution (the
+            # best placements found so far stay candidates)
+            if restarts >= int(opts["restarts"]):
+                break
+            restarts, stale = restarts + 1, 0
+            p_ep = np.full((n, e), 1.0 / e)
         order = np.argsort(rng.random((num_samples, n)), axis=1)
         samples = sample_balanced(rng, p_ep, num_samples, np.ones(n), per, order=order)
         scored = [scorer(s) for s in samples]
         samples = np.stack([sx for sx, _ in scored])
         scores = np.array([sc for _, sc in scored])
+        for s, sc in zip(samples, scores, strict=True):
+            found.setdefault(canonical_labels(s, e).tobytes(), (float(sc), s))
         ranked = np.argsort(-scores, kind="stable")
-        if scores[ranked[0]] > best_score:
-            best_score, best_x = float(scores[ranked[0]]), samples[ranked[0]].copy()
+        stale += 1
+        if scores[ranked[0]] > best_score * (1 + 1e-12) + 1e-12:
+            best_score, best_x, stale = float(scores[ranked[0]]), samples[ranked[0]].copy(), 0
         elite = samples[ranked[:n_elite]]
         if opts["align_labels"]:
             elite = np.stack([align(s, best_x, e) for s in elite])
-        for s, sc in zip(elite, scores[ranked[:n_elite]], strict=True):
-            found.setdefault(_canonical(s, e).tobytes(), (float(sc), s))
         p_ep = alpha * _onehot_mean(elite, e) + (1 - alpha) * p_ep
+        done += 1
         p_ep = (1 - explore) * p_ep + explore / e
     mode = repair_expert_counts(p_ep.argmax(axis=1), p_ep.T, per)
     mode_x, mode_score = scorer(mode)
-    found.setdefault(_canonical(mode_x, e).tobytes(), (mode_score, mode_x))
+    found.setdefault(canonical_labels(mode_x, e).tobytes(), (mode_score, mode_x))
     ranked_found = sorted(found.values(), key=lambda item: -item[0])
-    return [x for _, x in ranked_found[: max(1, int(opts["candidates"]))]], done
-
-
-def _canonical(x: np.ndarray, e: int) -> np.ndarray:
-    """Relabel devices in order of their lowest expert (one label per partition)."""
-    first = np.full(e, x.size, dtype=np.int64)
-    np.minimum.at(first, x, np.arange(x.size))
-    rank = np.empty(e, dtype=np.int64)
-    rank[np.argsort(first, kind="stable")] = np.arange(e)
-    return rank[x]
-
-
-def _cross_entropy_joint(problem, opts, rng, num_samples, iterations, deadline):
-    """CE over experts and tokens (sampled, as in the paper) with the improved extras."""
-    n, e, per = problem.num_experts, problem.ep_size, problem.experts_per_device
-    n_elite = max(1, math.ceil(float(opts["elite"]) * num_samples))
-    alpha = float(opts["smoothing"])
-    act = problem.token_activations
-    token_cap = problem.beta * act.sum() / e
-    p_ep = np.full((n, e), 1.0 / e)
-    p_tk = np.full((problem.num_tokens, e), 1.0 / e)
-    w = problem.affinity
-    rows, cols, vals = problem.nnz_rows, w.indices, w.data
-    best = (-np.inf, None, None)
-    done = 0
-    for done in range(1, iterations + 1):  # noqa: B007
-        if deadline is not None and time.perf_counter() > deadline:
-            break
-        order = np.argsort(rng.random((num_samples, n)), axis=1)
-        ep = sample_balanced(rng, p_ep, num_samples, np.ones(n), per, order=order)
-        tk = sample_balanced(rng, p_tk, num_samples, act, token_cap, block=int(opts["token_block"]))
-        scores = np.array([vals[ep[s, cols] == tk[s, rows]].sum() for s in range(num_samples)])
-        ranked = np.argsort(-scores, kind="stable")
-        if scores[ranked[0]] > best[0]:
-            best = (float(scores[ranked[0]]), ep[ranked[0]].copy(), tk[ranked[0]].copy())
-        ep_elite, tk_elite = ep[ranked[:n_elite]], tk[ranked[:n_elite]]
-        if opts["align_labels"]:
-            pairs = [_align_pair(a, b, best[1], e) for a, b in zip(ep_elite, tk_elite, strict=True)]
-            ep_elite = np.stack([p[0] for p in pairs])
-            tk_elite = np.stack([p[1] for p in pairs])
-        p_ep = alpha * _onehot_mean(ep_elite, e) + (1 - alpha) * p_ep
-        p_tk = alpha * _onehot_mean(tk_elite, e) + (1 - alpha) * p_tk
-    x = repair_expert_counts(p_ep.argmax(axis=1), p_ep.T, per)
-    return x, p_tk.argmax(axis=1), done
-
-
-def _align_pair(ep: np.ndarray, tk: np.ndarray, reference: np.ndarray, e: int):
-    overlap = np.zeros((e, e))
-    np.add.at(overlap, (reference, ep), 1.0)
-    ref_dev, lab_dev = linear_sum_assignment(overlap, maximize=True)
-    mapping = np.empty(e, dtype=np.int64)
-    mapping[lab_dev] = ref_dev
-    return mapping[ep], mapping[tk]
+    return [x for _, x in ranked_found[: max(1, int(opts["screen"]))]], (done, restarts), cut

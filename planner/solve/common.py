@@ -11,12 +11,16 @@ Shapes: J tokens, N experts, E devices, P = N/E experts per device.
   j is sent to device d, given an expert placement (``W @ onehot(expert_to_device)``).
 - :func:`expert_scores` ``M [E, N]``: ``M[d, k]`` = activations of expert k by the tokens sent
   to device d, given a token placement (``onehot(token_to_device).T @ W``).
-- :func:`assign_tokens`: tokens -> devices under per-device load capacities (see its doc).
+- :func:`assign_tokens`: tokens -> devices under per-device load capacities (dual prices,
+  heavy tokens first, a regret greedy, exchanges; within ~0.05% of the LP bound on real
+  layers, see its doc); :func:`assign_for_problem` applies the problem's balance rule.
 - :func:`place_experts`: the exact best expert placement for a score ``M`` with P experts per
   device (a linear assignment on the [N, N] matrix of experts x device slots).
 - :func:`repair_expert_counts`: the smallest change that gives every device exactly P experts.
 - :func:`rebalance_tokens`: evict the least-valuable tokens from over-full devices.
-- :func:`polish`: alternate exact expert placement and token assignment until no gain.
+- :func:`polish`: local search (exact expert moves for the tokens, priced expert swaps from
+  :func:`swap_candidates`), each move followed by the token assignment, until no gain.
+- :func:`canonical_labels`: one labelling per partition (devices are interchangeable).
 - :func:`finish`: assignment + metrics + validation -> :class:`LayerPlacement`.
 """
 
@@ -33,12 +37,18 @@ from planner.solve.problem import LOAD_RTOL, LayerPlacement, LayerProblem
 
 # Rounds of vectorised proposals in assign_tokens before the (rare) sequential finish.
 _MAX_PROPOSAL_ROUNDS = 64
+# Relative gap under which two gains count as tied (ties are broken by room, not by index).
+_TIE_EPS = 1e-9
+# Problems with at most this many token x device entries are assigned exactly (0-1 program).
+_EXACT_ENTRIES = 256
 # Tokens considered by the pairwise exchange pass (the heaviest; all when J is at most this).
 _EXCHANGE_TOKENS = 256
 # Tokens heavier than this share of the mean device capacity are placed one by one first.
 _HEAVY_SHARE = 0.01
 # Single swaps verified per polish round when the batch of swaps fails.
 _SWAP_TRIALS = 3
+# Swap neighbourhoods at most this large are tried in full (e.g. 8 experts).
+_ALL_SWAPS = 32
 # Experts per device tried in swaps (all when N/E is at most this).
 _SWAP_EXPERTS = 4
 # Partner devices tried per device in swaps (all pairs when E - 1 is at most this).
@@ -46,7 +56,7 @@ _SWAP_PARTNERS = 6
 # Max elements of one [tokens, m, m] block when scoring swaps.
 _SWAP_BLOCK = 1 << 21
 # Caps tried in penalty mode (multiples of the mean load); the best penalised objective wins.
-_PENALTY_BETAS = (1.0, 1.02, 1.05, 1.1, 1.2, 1.35, 1.5, 2.0, float("inf"))
+_PENALTY_BETAS = (1.0, 1.05, 1.1, 1.25, 1.5, float("inf"))
 
 
 # Gains and scores ---------------------------------------------------------------------------
@@ -92,6 +102,7 @@ def assign_tokens(
     *,
     prices: np.ndarray | None = None,
     sweeps: int = 30,
+    exact: bool = True,
 ) -> Assignment:
     """Send tokens to devices, maximising ``sum_j gain[j, t_j]`` within load capacities.
 
@@ -101,6 +112,7 @@ def assign_tokens(
         capacity: scalar or [E] load each device may take.
         prices: [E] warm-start dual prices (from a previous call on similar gains).
         sweeps: price-update sweeps (fewer when warm-started; 0 = plain regret greedy).
+        exact: solve tiny problems exactly (see below); off inside fast search loops.
 
     Returns:
         :class:`Assignment` (token_to_device [J] int64, prices [E]).
@@ -123,8 +135,11 @@ def assign_tokens(
        :mod:`planner.solve.problem`). A last pass moves tokens to a better device (by the
        original gain) that still has room.
 
-    On real OLMoE layers this lands within ~0.05% of the LP bound (the regret greedy alone
-    loses 2-3%). Zero-frequency tokens take their best device.
+    On real OLMoE layers this lands within ~0.05-0.6% of the LP bound (the regret greedy
+    alone loses 2-3%). Zero-frequency tokens take their best device. Tiny problems (at most
+    ``_EXACT_ENTRIES`` token x device entries, where heavy tokens make the greedy's
+    integrality losses large) are solved exactly by a 0-1 program instead; if no assignment
+    fits the capacities, the steps above apply (with the overflow rule).
     """
     gain = np.asarray(gain, dtype=np.float64)
     freq = np.asarray(freq, dtype=np.float64)
@@ -138,19 +153,29 @@ def assign_tokens(
     free = freq <= 0
     token_to_device[free] = gain[free].argmax(axis=1)
     busy = np.flatnonzero(~free)
+    if exact and busy.size * e <= _EXACT_ENTRIES and np.isfinite(room).all():
+        solved = _assign_exact(gain[busy], freq[busy], room)
+        if solved is not None:
+            token_to_device[busy] = solved
+            return Assignment(token_to_device, price)
     if sweeps > 0:
         price = dual_prices(gain[busy], freq[busy], room, prices=price, sweeps=sweeps)
     heavy_cut = _HEAVY_SHARE * float(np.mean(room)) if np.isfinite(room).all() else np.inf
     heavy = busy[freq[busy] > heavy_cut]
+    light = busy[freq[busy] <= heavy_cut]
+    # a heavy token tied between devices takes the one whose room the light tokens contest least
+    light_demand = np.bincount(
+        (gain[light] - freq[light, None] * price[None, :]).argmax(axis=1),
+        weights=freq[light], minlength=e,
+    )  # fmt: skip
     for j in heavy[np.argsort(-freq[heavy], kind="stable")]:
         fits = freq[j] <= room + tol
         if fits.any():
-            d = int(np.where(fits, gain[j] - freq[j] * price, -np.inf).argmax())
+            d = _best_tied(np.where(fits, gain[j] - freq[j] * price, -np.inf), room - light_demand)
         else:
             d = int(room.argmax())
         token_to_device[j] = d
         room[d] -= freq[j]
-    light = busy[freq[busy] <= heavy_cut]
     light_price = price
     if heavy.size and sweeps > 0:
         light_price = dual_prices(
@@ -171,6 +196,23 @@ def assign_tokens(
         _exchange(gain, freq, room, token_to_device, cand, tol)
         _move_to_room(gain, freq, room, token_to_device, tol)
     return Assignment(token_to_device, price)
+
+
+def _assign_exact(gain: np.ndarray, freq: np.ndarray, room: np.ndarray) -> np.ndarray | None:
+    """Optimal assignment of a few tokens by a 0-1 program (HiGHS via scipy); None if none fits."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import eye, kron
+
+    num_tokens, e = gain.shape
+    one_device = LinearConstraint(kron(eye(num_tokens), np.ones((1, e))), 1, 1)
+    capacity = LinearConstraint(kron(freq[None, :], eye(e)), -np.inf, room)
+    result = milp(
+        -gain.ravel(), constraints=[one_device, capacity], integrality=np.ones(gain.size),
+        bounds=Bounds(0, 1), options={"time_limit": 2.0},
+    )  # fmt: skip
+    if result.x is None:
+        return None
+    return result.x.reshape(num_tokens, e).argmax(axis=1).astype(np.int64)
 
 
 def dual_prices(
@@ -238,7 +280,9 @@ def _regret_fill(gain: np.ndarray, freq: np.ndarray, room: np.ndarray, tol: floa
             pending, f, fits = pending[~stuck], f[~stuck], fits[~stuck]
             if pending.size == 0:
                 break
-        g = np.where(fits, gain[pending], -np.inf)
+        # ties go to the device with more room (not the lowest index: labels are arbitrary)
+        tie_break = _TIE_EPS * max(float(np.abs(gain[pending]).max(initial=0.0)), 1e-300)
+        g = np.where(fits, gain[pending] + tie_break * _room_rank(room)[None, :], -np.inf)
         rows = np.arange(pending.size)
         best = g.argmax(axis=1)
         best_value = g[rows, best]
@@ -262,6 +306,19 @@ def _regret_fill(gain: np.ndarray, freq: np.ndarray, room: np.ndarray, tol: floa
         else:
             _place_overflow(np.array([j]), freq, room, out)
     return out
+
+
+def _best_tied(values: np.ndarray, preference: np.ndarray) -> int:
+    """argmax of ``values`` [E]; among (near-)ties the device with the highest preference."""
+    best = values.max()
+    ties = values >= best - _TIE_EPS * max(abs(best), 1e-300)
+    return int(np.where(ties, preference, -np.inf).argmax())
+
+
+def _room_rank(room: np.ndarray) -> np.ndarray:
+    """[E] in [0, 1): rank of each device's room (more room, higher), for tie-breaking."""
+    order = np.argsort(np.argsort(room, kind="stable"), kind="stable")
+    return order / max(room.size, 1)
 
 
 def _place_overflow(
@@ -330,6 +387,7 @@ def assign_for_problem(
     *,
     prices: np.ndarray | None = None,
     sweeps: int = 30,
+    exact: bool = True,
 ) -> Assignment:
     """The token assignment every solver uses, under the problem's balance rule.
 
@@ -339,12 +397,14 @@ def assign_for_problem(
     """
     freq = problem.token_freq
     if problem.balance == "cap":
-        return assign_tokens(gain, freq, problem.capacity, prices=prices, sweeps=sweeps)
+        return assign_tokens(
+            gain, freq, problem.capacity, prices=prices, sweeps=sweeps, exact=exact
+        )
     mean = problem.total_freq / problem.ep_size
     best, best_obj = None, -np.inf
     for b in _PENALTY_BETAS:
         if np.isfinite(b):
-            result = assign_tokens(gain, freq, b * mean, sweeps=sweeps)
+            result = assign_tokens(gain, freq, b * mean, sweeps=sweeps, exact=exact)
         else:
             result = Assignment(gain.argmax(axis=1), np.zeros(problem.ep_size))
         obj = objective(problem, gain, result.token_to_device)
@@ -433,6 +493,16 @@ def repair_expert_counts(
     return x
 
 
+def canonical_labels(expert_to_device: np.ndarray, e: int) -> np.ndarray:
+    """Relabel devices in order of their lowest-numbered expert: one labelling per partition."""
+    x = np.asarray(expert_to_device, dtype=np.int64)
+    first = np.full(e, x.size, dtype=np.int64)
+    np.minimum.at(first, x, np.arange(x.size))
+    rank = np.empty(e, dtype=np.int64)
+    rank[np.argsort(first, kind="stable")] = np.arange(e)
+    return rank[x]
+
+
 # Objective ----------------------------------------------------------------------------------
 
 
@@ -497,6 +567,7 @@ def polish(
     deadline: float | None = None,
     sweeps: int = 30,
     swaps: bool = True,
+    exact: bool = True,
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """Local search from a placement; never lowers the objective.
 
@@ -513,7 +584,7 @@ def polish(
     """
     x = np.asarray(expert_to_device, dtype=np.int64)
     gain = device_gains(problem, x)
-    result = assign_for_problem(problem, gain, sweeps=sweeps)
+    result = assign_for_problem(problem, gain, sweeps=sweeps, exact=exact)
     prices = result.prices
     t, best = token_to_device, objective(problem, gain, token_to_device)
     if objective(problem, gain, result.token_to_device) > best:
@@ -525,7 +596,9 @@ def polish(
         improved = False
         for x_new in _moves(problem, x, t, gain, prices, swaps, deadline):
             gain_new = device_gains(problem, x_new)
-            result = assign_for_problem(problem, gain_new, prices=prices, sweeps=sweeps)
+            result = assign_for_problem(
+                problem, gain_new, prices=prices, sweeps=sweeps, exact=exact
+            )
             t_new, obj_new = (
                 result.token_to_device,
                 objective(problem, gain_new, result.token_to_device),
@@ -621,8 +694,6 @@ def _moves(problem, x, t, gain, prices, swaps: bool, deadline: float | None):
     if not swaps or (deadline is not None and time.perf_counter() > deadline):
         return
     candidates = swap_candidates(problem, x, gain, prices)
-    if not candidates:
-        return
     # all non-overlapping candidates at once, then the best few alone
     batch, used = x.copy(), set()
     for _, p, q, a, b in candidates:
@@ -637,6 +708,15 @@ def _moves(problem, x, t, gain, prices, swaps: bool, deadline: float | None):
         single = x.copy()
         single[a], single[b] = q, p
         yield single
+    # few experts: the whole swap neighbourhood is cheap, so try every swap
+    n, e = x.size, problem.ep_size
+    if n * n * (e - 1) // (2 * e) <= _ALL_SWAPS:
+        for a in range(n):
+            for b in range(a + 1, n):
+                if x[a] != x[b]:
+                    single = x.copy()
+                    single[a], single[b] = x[b], x[a]
+                    yield single
 
 
 def finish(

@@ -27,7 +27,14 @@ from scipy import sparse
 from scipy.optimize import linear_sum_assignment
 
 from planner.errors import InputError
-from planner.solve.common import assign_for_problem, check_options, device_gains, finish, objective
+from planner.solve.common import (
+    assign_for_problem,
+    canonical_labels,
+    check_options,
+    device_gains,
+    finish,
+    objective,
+)
 from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig
 
 DEFAULTS: dict[str, object] = {
@@ -51,7 +58,9 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
         labels, inertia, iters = balanced_kmeans(
             features, problem.ep_size, rng, max_iter=int(opts["max_iter"])
         )
-        runs.setdefault(_canonical(labels).tobytes(), (inertia, labels, iters))
+        runs.setdefault(
+            canonical_labels(labels, problem.ep_size).tobytes(), (inertia, labels, iters)
+        )
     # the lowest-inertia distinct clusterings go through the shared token assignment
     best = None
     for inertia, labels, iters in sorted(runs.values(), key=lambda r: r[0])[
@@ -72,14 +81,6 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     return finish(
         problem, "kmeans", labels, seed=config.seed, started=started, token_to_device=t, info=info
     )
-
-
-def _canonical(labels: np.ndarray) -> np.ndarray:
-    """Relabel groups in order of first appearance (one label per partition)."""
-    _, first = np.unique(labels, return_index=True)
-    rank = np.empty(first.size, dtype=np.int64)
-    rank[np.argsort(first)] = np.arange(first.size)
-    return rank[np.searchsorted(np.unique(labels), labels)]
 
 
 def expert_profiles(problem: LayerProblem, profile: str = "coactivation") -> np.ndarray:

@@ -22,7 +22,7 @@ def test_layers_get_distinct_reproducible_seeds() -> None:
 
 def test_parallel_solve_matches_serial() -> None:
     problems = [random_problem(80, 8, 2, seed=s, layer=s) for s in range(3)]
-    config = SolverConfig(seed=3)
+    config = SolverConfig(seed=3, options={"ceo": {"iterations": 3, "restarts": 0}})
     serial = solve_model(problems, "ceo", config, jobs=1, progress=False)
     parallel = solve_model(problems, "ceo", config, jobs=2, progress=False)
     for a, b in zip(serial, parallel, strict=True):

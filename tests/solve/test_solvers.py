@@ -12,8 +12,9 @@ from tests.solve.instances import random_problem
 
 METHODS = sorted(SOLVERS)
 HEURISTICS = ("ceo", "metis", "kmeans", "alternating")
-# keep the exact program small in the shared checks
-FAST = {"ilp": {"max_variables": 3000}}
+# keep the exact program small and the CE search short in the shared checks (the quality
+# checks below run every solver with its defaults)
+FAST = {"ilp": {"max_variables": 3000}, "ceo": {"iterations": 4, "restarts": 0}}
 
 
 def config(seed: int = 0, **extra) -> SolverConfig:
@@ -86,7 +87,7 @@ def test_ceo_within_3_percent_of_the_proven_optimum(seed: int, e: int) -> None:
     problem = _tiny(seed, e)
     exact = solve_layer(problem, "ilp", SolverConfig(time_limit=60))
     assert exact.info["status"] == "optimal" and exact.info["exact"]
-    ceo = solve_layer(problem, "ceo", config(seed=seed))
+    ceo = solve_layer(problem, "ceo", SolverConfig(seed=seed))
     assert ceo.objective >= 0.97 * exact.objective
     assert ceo.objective <= exact.objective * (1 + 1e-9)  # nothing beats a proven optimum
     for method in ("metis", "kmeans", "alternating"):  # loosely: no baseline is absurd
@@ -97,7 +98,7 @@ def test_ceo_within_3_percent_of_the_proven_optimum(seed: int, e: int) -> None:
 @pytest.mark.parametrize("method", HEURISTICS)
 def test_planted_clusters_are_recovered(method: str) -> None:
     problem = random_problem(400, 16, 4, top_k=2, seed=7, clusters=4, noise=0.02)
-    p = solve_layer(problem, method, config())
+    p = solve_layer(problem, method, SolverConfig())
     assert p.local_rate >= 0.93
     assert p.token_imbalance <= problem.beta + 1e-9
 
@@ -123,3 +124,22 @@ def test_unknown_method_lists_the_names(small_problem: LayerProblem) -> None:
 def test_unknown_option_is_rejected(method: str, small_problem: LayerProblem) -> None:
     with pytest.raises(InputError, match="unknown option"):
         solve_layer(small_problem, method, SolverConfig(options={method: {"no_such_knob": 1}}))
+
+
+def test_ilp_writes_the_program_and_cbc_agrees(tmp_path) -> None:
+    problem = _tiny(0, 2)
+    lp = tmp_path / "layer.lp"
+    highs = solve_layer(problem, "ilp", SolverConfig(options={"ilp": {"lp_path": str(lp)}}))
+    text = lp.read_text()
+    for name in ("expert_once_0", "experts_on_1", "token_once_0", "load_0", "zx_", "zy_"):
+        assert name in text
+    cbc = solve_layer(problem, "ilp", SolverConfig(options={"ilp": {"solver": "cbc"}}))
+    assert cbc.info["status"] == highs.info["status"] == "optimal"
+    assert cbc.objective == pytest.approx(highs.objective)
+
+
+def test_ilp_on_too_large_instances_keeps_the_frequent_tokens(small_problem) -> None:
+    p = solve_layer(small_problem, "ilp", config(ilp={"max_variables": 400}))
+    assert not p.info["exact"]
+    assert 0 < p.info["tokens_in_program"] < small_problem.num_tokens
+    assert "most frequent" in p.info["note"]
