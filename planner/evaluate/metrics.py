@@ -220,22 +220,29 @@ def _imbalance(load: np.ndarray) -> np.ndarray:
 def _report(acc: _Acc, bundle: Bundle, cfg: EvalConfig, k: int, per_device: int) -> dict:
     occ = acc.occurrences * k
     oracle = np.array([_oracle(c, per_device) for c in acc.counts])  # [L, 2]
-    per_layer = []
-    safe = lambda a, b: np.where(b > 0, a / np.maximum(b, 1e-12), np.nan)  # noqa: E731
-    cols = {
-        "lar_token": safe(acc.local["token"], occ),
-        "lar_ngram": safe(acc.local["ngram"], acc.ngram_occ * k),
-        "lar": safe(acc.local["online"], occ),
-        "lar_balanced": safe(acc.local["balanced"], occ),
-        "lar_vanilla": safe(acc.local["vanilla"], occ),
-        "oracle_bound": safe(oracle[:, 0], oracle[:, 1]),
-        "ngram_share": safe(acc.ngram_used, acc.occurrences),
+    # Every rate as (numerator, denominator) per layer: per-layer rows divide them, the
+    # overall figure divides their sums (occurrence-weighted).
+    ratios = {
+        "lar_token": (acc.local["token"], occ),
+        "lar_ngram": (acc.local["ngram"], acc.ngram_occ * k),
+        "lar": (acc.local["online"], occ),
+        "lar_balanced": (acc.local["balanced"], occ),
+        "lar_vanilla": (acc.local["vanilla"], occ),
+        "oracle_bound": (oracle[:, 0], oracle[:, 1]),
+        "ngram_share": (acc.ngram_used, acc.occurrences),
+        "remote_fraction": (acc.remote["balanced"], acc.touched["balanced"]),
+        "remote_fraction_vanilla": (acc.remote["vanilla"], acc.touched["vanilla"]),
+    }
+    imbalances = {
         "token_imbalance": _imbalance(acc.tokens_on["online"]),
         "token_imbalance_balanced": _imbalance(acc.tokens_on["balanced"]),
         "expert_load_imbalance": _imbalance(acc.expert_load),
-        "remote_fraction": safe(acc.remote["balanced"], acc.touched["balanced"]),
-        "remote_fraction_vanilla": safe(acc.remote["vanilla"], acc.touched["vanilla"]),
     }
+    cols = {
+        name: np.where(den > 0, num / np.maximum(den, 1e-12), np.nan)
+        for name, (num, den) in ratios.items()
+    } | imbalances
+    per_layer = []
     for layer in range(len(acc.occurrences)):
         row = {"layer": layer, "model_layer": int(bundle.meta.moe_layer_indices[layer])}
         row |= {name: _num(v[layer]) for name, v in cols.items()}
@@ -249,18 +256,8 @@ def _report(acc: _Acc, bundle: Bundle, cfg: EvalConfig, k: int, per_device: int)
     remote_b, remote_v = float(acc.remote["balanced"].sum()), float(acc.remote["vanilla"].sum())
     overall = {
         "tokens": int(acc.occurrences[0]) if len(acc.occurrences) else 0,
-        "lar_token": pooled(acc.local["token"], occ),
-        "lar_ngram": pooled(acc.local["ngram"], acc.ngram_occ * k),
-        "lar": pooled(acc.local["online"], occ),
-        "lar_balanced": pooled(acc.local["balanced"], occ),
-        "lar_vanilla": pooled(acc.local["vanilla"], occ),
-        "oracle_bound": pooled(oracle[:, 0], oracle[:, 1]),
-        "ngram_share": pooled(acc.ngram_used, acc.occurrences),
-        "token_imbalance": _num(np.nanmean(cols["token_imbalance"])),
-        "token_imbalance_balanced": _num(np.nanmean(cols["token_imbalance_balanced"])),
-        "expert_load_imbalance": _num(np.nanmean(cols["expert_load_imbalance"])),
-        "remote_fraction": pooled(acc.remote["balanced"], acc.touched["balanced"]),
-        "remote_fraction_vanilla": pooled(acc.remote["vanilla"], acc.touched["vanilla"]),
+        **{name: pooled(num, den) for name, (num, den) in ratios.items()},
+        **{name: _num(np.nanmean(v)) for name, v in imbalances.items()},
         "remote_activations": int(remote_b),
         "remote_activations_vanilla": int(remote_v),
         "all_to_all_bytes": int(remote_b * bytes_per) if bytes_per else None,
