@@ -27,7 +27,6 @@ import argparse
 import dataclasses
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -35,19 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import peak_rss_mib  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+
 TARGET = 20e6  # routed activations per second
-
-
-def peak_rss_mib() -> float:
-    """This process's peak resident set size (VmHWM: unlike ru_maxrss it is not inherited
-    from the parent across fork and exec)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return round(int(line.split()[1]) / 1024, 1)
-    except OSError:
-        pass
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
 def child(mode: str, trace: str) -> dict:

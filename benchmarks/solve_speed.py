@@ -22,28 +22,18 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import resource
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from _common import peak_rss_mib  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from scipy import sparse
 
 TARGET_LAYER_S = 10.0
 TARGET_MODEL_S = 300.0
 METHODS = ("ceo", "ceo:paper", "metis", "kmeans", "alternating", "vanilla")
-
-
-def peak_rss_mib() -> float:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return round(int(line.split()[1]) / 1024, 1)
-    except OSError:
-        pass
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
 def synth_layer(occurrences: int, seed: int, layer: int = 0):

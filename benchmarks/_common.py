@@ -1,0 +1,18 @@
+"""Helpers shared by the benchmark scripts (run as ``python benchmarks/<name>.py``)."""
+
+from __future__ import annotations
+
+import resource
+from pathlib import Path
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set size in MiB (VmHWM: unlike ru_maxrss it is not
+    inherited from the parent across fork and exec)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
