@@ -20,10 +20,7 @@ Two targets (``target=``):
   activations on its device), so Algorithm 2's "use the more confident table" compares
   like with like. With the paper's top-1 confidence the n-gram table won too often: on the
   example model (EP 4) it chose the n-gram for 46% of tokens and lowered the held-out
-  balanced LAR from 0.450 (token table alone) to 0.419. When only top-1 statistics were
-  kept (``moeplan fit`` without ``--ngram-routed``), ``moeplan solve`` converts the
-  top-1 confidences into expected local shares from the fitted affinity
-  (:func:`planner.solve.pipeline.top1_confidence_as_local_share`).
+  balanced LAR from 0.450 (token table alone) to 0.419.
 
 Table layout (DESIGN.md bundle ``ngram_to_device`` / ``ngram_confidence``): row index of a
 context = the base-E number of the devices at layers l-n .. l-1 with the most recent layer
@@ -91,11 +88,6 @@ class TopOneTransitions:
     @property
     def num_layers(self) -> int:
         return int(self.layer_offsets.shape[0] - 1)
-
-    @property
-    def routed(self) -> bool:
-        """True when every routed expert was counted, False for top-1-only statistics."""
-        return bool(self.keys.shape[0]) and int(self.keys[:, _RANK].max()) > 0
 
     def layer(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """(tuples [M_l, 5] int16, counts [M_l] int64) of layer ``l``."""

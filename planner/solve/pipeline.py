@@ -10,9 +10,7 @@
    confidence 0;
 4. n-gram device tables fitted under the new placement from the predictor's top-1
    transition statistics (paper 000 App. B.1); a predictor fitted on a counts table has no
-   transitions, and its plan has no n-gram tables. Top-1-only statistics give top-1
-   probabilities as confidences; they are converted to expected local shares, the token
-   table's unit, so the online choice compares like with like.
+   transitions, and its plan has no n-gram tables.
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ import numpy as np
 from planner.errors import InputError
 from planner.predict.ngram import fit_ngram_device_table
 from planner.predict.predictor import Predictor
-from planner.solve.common import device_gains
 from planner.solve.metrics import token_table
 from planner.solve.plan import Plan, solve_model
 from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig
@@ -104,38 +101,6 @@ def vocabulary_table(
     return table, conf
 
 
-def top1_confidence_as_local_share(
-    confidence: np.ndarray, problems: list[LayerProblem], placements: list[LayerPlacement]
-) -> np.ndarray:
-    """Put a top-1 n-gram table's confidences in the token table's unit.
-
-    With top-1-only transition statistics (the paper's), an n-gram row's confidence c is
-    Pr(the token's top-1 expert is on the predicted device), while a token's confidence is
-    the expected share of its k routed activations local on its device; Algorithm 2 picks
-    the larger, so the n-gram table would win too often. Per layer, from the fitted
-    affinity under the solved placement: ``s_in`` = mean share of a token's activations on
-    the device of its strongest expert, ``s_out`` = mean share on one other device; the
-    row's expected local share is ``c * s_in + (1 - c) * s_out``. Rows with confidence 0
-    (contexts never seen) keep 0.
-    """
-    out = np.asarray(confidence, dtype=np.float64).copy()
-    for layer, (problem, placement) in enumerate(zip(problems, placements, strict=True)):
-        e, w = problem.ep_size, problem.affinity
-        act, freq = problem.token_activations, problem.token_freq
-        keep = act > 0
-        if e < 2 or not keep.any():
-            continue
-        gain = device_gains(problem, placement.expert_to_device)
-        rows = np.flatnonzero(keep)
-        strongest = np.asarray(w[rows].argmax(axis=1)).ravel()
-        share = gain[rows, placement.expert_to_device[strongest]] / act[rows]
-        s_in = float(np.average(share, weights=freq[rows]))
-        s_out = (1.0 - s_in) / (e - 1)
-        c = out[layer]
-        out[layer] = np.where(c > 0, c * s_in + (1.0 - c) * s_out, 0.0)
-    return out.astype(confidence.dtype)
-
-
 def make_plan(predictor: Predictor, config: PlanConfig, *, progress: bool = True) -> Plan:
     """Solve every layer with ``config.method`` and assemble the :class:`Plan`."""
     meta = predictor.meta
@@ -158,8 +123,6 @@ def make_plan(predictor: Predictor, config: PlanConfig, *, progress: bool = True
         order = config.ngram_order
         ngram = fit_ngram_device_table(predictor.transitions, expert_to_device, e, order)
         ngram_dev, ngram_conf = ngram.to_device, ngram.confidence
-        if meta.top_k > 1 and not predictor.transitions.routed:
-            ngram_conf = top1_confidence_as_local_share(ngram_conf, problems, placements)
     reports = [q.report() for q in placements]
     config_json = asdict(config) | {"seconds": round(time.perf_counter() - t0, 3)}
     return Plan(

@@ -13,7 +13,6 @@ from planner.evaluate import evaluate_bundle
 from planner.evaluate.compare import compare_methods
 from planner.export import bundle_from_plan, load_tables
 from planner.predict.fit import FitConfig, fit_predictor
-from planner.predict.ngram import fit_ngram_device_table
 from planner.predict.split import RequestSplit, split_trace
 from planner.solve.pipeline import PlanConfig, make_plan
 from planner.solve.plan import Plan
@@ -61,30 +60,6 @@ def test_plan_covers_the_vocabulary_and_beats_vanilla(pipeline, tmp_path):
     assert ov["lar_balanced"] > 1.8 * ov["lar_vanilla"]
     assert ov["lar_balanced"] <= ov["oracle_bound"] + 1e-9
     assert ov["token_imbalance_balanced"] <= 1.1 + 4 / 4096 + 1e-9
-
-
-def test_top1_ngram_confidence_is_put_in_local_share_units(pipeline):
-    _, _, _, predictor = pipeline
-    assert not predictor.transitions.routed  # FitConfig() keeps the paper's top-1 statistic
-    plan = make_plan(predictor, PlanConfig("kmeans", ep_size=4), progress=False)
-    raw = fit_ngram_device_table(predictor.transitions, plan.expert_to_device, 4, 2).confidence
-    raw = raw.astype(np.float64)
-    for layer in range(3):
-        _, w, a = predictor.affinity.layer_problem_inputs(layer)
-        w = np.asarray(w.todense())
-        x = plan.expert_to_device[layer]
-        on_strongest = x[None, :] == x[w.argmax(axis=1)][:, None]  # [J, N]
-        s_in = np.average((w * on_strongest).sum(axis=1) / w.sum(axis=1), weights=a)
-        s_out = (1 - s_in) / 3
-        expected = np.where(raw[layer] > 0, raw[layer] * s_in + (1 - raw[layer]) * s_out, 0)
-        np.testing.assert_allclose(plan.ngram_confidence[layer], expected, atol=2e-3)
-        # a top-1 probability overstates the local share of k = 2 routed experts
-        assert (plan.ngram_confidence[layer] <= raw[layer] + 1e-3).all()
-    # routed statistics already are local shares: left as fitted
-    routed = fit_predictor(pipeline[0] / "fit", FitConfig(ngram_routed=True)).predictor
-    plan = make_plan(routed, PlanConfig("kmeans", ep_size=4), progress=False)
-    table = fit_ngram_device_table(routed.transitions, plan.expert_to_device, 4, 2)
-    np.testing.assert_array_equal(plan.ngram_confidence, table.confidence)
 
 
 def test_same_seed_same_plan_any_jobs(pipeline):
