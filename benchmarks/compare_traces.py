@@ -1,0 +1,137 @@
+"""CEO against the baselines on held-out halves of real traces, over splits and EP sizes; JSON.
+
+Cases: the real FLAME-MoE trace in ``../shared/realdata/`` (64 experts: EP 4, 8, 16) and
+the example model's trace (16 experts: EP 2, 4, 8; profiled here from the committed model
+and prompts, about a minute on CPU). For every split seed the trace is split 50/50 by
+request (``moeplan trace split``), the predictor fitted on the fitting half with the
+same split (``moeplan fit --holdout 0.5 --seed S``, n-gram statistic top-1 or routed), and
+``moeplan compare`` run on the held-out half. Each case reports every method's balanced
+LAR and CEO's ratio to the best baseline (METIS, k-means, alternating); the summary gives
+the minimum and mean ratio and the cases CEO loses. About 40 s per case on 2 cores.
+
+    python benchmarks/compare_traces.py [--seeds 0,1,2] [--sources flame,example]
+        [--ngram top1,routed] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from planner.evaluate.compare import compare_methods  # noqa: E402
+from planner.predict.fit import FitConfig, fit_predictor  # noqa: E402
+from planner.predict.split import split_trace  # noqa: E402
+from planner.profile.runner import ProfileConfig, profile_model  # noqa: E402
+from planner.solve.pipeline import PlanConfig  # noqa: E402
+from planner.trace import open_trace  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+FLAME = REPO.parent / "shared" / "realdata" / "flame-moe-290m-prefill.parquet"
+EP_SIZES = {"flame": (4, 8, 16), "example": (2, 4, 8)}
+METHODS = ["ceo", "metis", "kmeans", "alternating", "vanilla"]
+BASELINES = ("metis", "kmeans", "alternating")
+
+
+def source_trace(name: str, work: Path) -> Path:
+    if name == "flame":
+        return FLAME
+    out = work / "example_trace"
+    if not out.exists():
+        profile_model(
+            REPO / "examples" / "tiny_moe" / "model",
+            REPO / "examples" / "prompts.jsonl",
+            out,
+            ProfileConfig(save_embeddings=True),
+            progress=False,
+        )
+    return out
+
+
+def run_case(trace: Path, work: Path, seed: int, ngram: str, ep: int, jobs: int) -> dict:
+    held = work / f"{trace.stem}_held{seed}"
+    if not held.exists():
+        split_trace(trace, work / f"{trace.stem}_fit{seed}", held, 0.5, seed=seed)
+    fit = FitConfig(holdout=0.5, seed=seed, ngram_routed=ngram == "routed")
+    predictor = fit_predictor(trace, fit).predictor
+    result = compare_methods(
+        predictor, open_trace(held), METHODS, PlanConfig(ep_size=ep, jobs=jobs)
+    )
+    rows = {r["method"]: r for r in result["rows"]}
+    best = max(BASELINES, key=lambda m: rows[m]["lar_balanced"])
+    return {
+        "seed": seed,
+        "ngram": ngram,
+        "ep": ep,
+        "lar_balanced": {m: r["lar_balanced"] for m, r in rows.items()},
+        "lar_token": {m: r["lar_token"] for m, r in rows.items()},
+        "lar_ngram": {m: r["lar_ngram"] for m, r in rows.items()},
+        "best_baseline": best,
+        "ceo_over_best_baseline": rows["ceo"]["lar_balanced"] / rows[best]["lar_balanced"],
+        "oracle_bound": result["oracle_bound"],
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--sources", default="flame,example")
+    ap.add_argument("--ngram", default="top1,routed", help="n-gram statistics to fit with")
+    ap.add_argument("--ep", default=None, help="EP sizes (default: per source)")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    started = time.perf_counter()
+    cases = []
+    with tempfile.TemporaryDirectory(prefix="moeplan-compare-") as tmp:
+        work = Path(tmp)
+        for source in args.sources.split(","):
+            trace = source_trace(source, work)
+            eps = [int(e) for e in args.ep.split(",")] if args.ep else EP_SIZES[source]
+            for seed in (int(s) for s in args.seeds.split(",")):
+                for ngram in args.ngram.split(","):
+                    for ep in eps:
+                        case = {
+                            "source": source,
+                            **run_case(trace, work, seed, ngram, ep, args.jobs),
+                        }
+                        cases.append(case)
+                        print(
+                            f"{source} seed {seed} {ngram} EP{ep}: ceo "
+                            f"{case['lar_balanced']['ceo']:.4f} / {case['best_baseline']} "
+                            f"{case['lar_balanced'][case['best_baseline']]:.4f} = "
+                            f"{case['ceo_over_best_baseline']:.3f}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+    ratios = [c["ceo_over_best_baseline"] for c in cases]
+    report = {
+        "benchmark": "compare_traces",
+        "summary": {
+            "cases": len(cases),
+            "ceo_over_best_baseline_min": min(ratios),
+            "ceo_over_best_baseline_mean": sum(ratios) / len(ratios),
+            "ceo_losses": [
+                f"{c['source']} seed {c['seed']} {c['ngram']} EP{c['ep']}"
+                for c in cases
+                if c["ceo_over_best_baseline"] < 1
+            ],
+            "seconds": round(time.perf_counter() - started, 1),
+        },
+        "cases": cases,
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
