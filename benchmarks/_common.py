@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import resource
 from pathlib import Path
 
@@ -16,3 +17,11 @@ def peak_rss_mib() -> float:
     except OSError:
         pass
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def emit_json(report: dict, out: str | Path | None = None, **dumps_kwargs) -> None:
+    """Print ``report`` as indented JSON; also write it to ``out`` when given."""
+    text = json.dumps(report, indent=2, **dumps_kwargs)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")

@@ -16,7 +16,6 @@ the minimum and mean ratio and the cases CEO loses. About 40 s per case on 2 cor
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -24,6 +23,8 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from _common import emit_json  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 from planner.evaluate.compare import compare_methods  # noqa: E402
 from planner.predict.fit import FitConfig, fit_predictor  # noqa: E402
@@ -126,10 +127,7 @@ def main(argv=None) -> int:
         },
         "cases": cases,
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit_json(report, args.out)
     return 0
 
 

@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import peak_rss_mib  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from _common import emit_json, peak_rss_mib  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 TARGET = 20e6  # routed activations per second
 
@@ -146,10 +146,7 @@ def main() -> None:
         }
         result["target_met_end_to_end"] = result["fit"]["activations_per_s_best"] >= TARGET
         result["target_met_accumulate"] = result["accumulate"]["activations_per_s_best"] >= TARGET
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit_json(result, args.out)
 
 
 if __name__ == "__main__":

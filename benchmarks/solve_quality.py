@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
+from _common import emit_json  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from scipy import sparse
 
 from planner.solve import common, metrics
@@ -378,10 +378,7 @@ def main(argv=None) -> int:
         "summary": summary,
         "results": results,
     }
-    text = json.dumps(report, indent=2, default=float)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit_json(report, args.out, default=float)
     return 0
 
 
