@@ -28,7 +28,7 @@ from planner.runtime_shim.tables import (
     assign_with_capacity,
     balanced_capacity,
     ngram_row_index,
-    online_choice,
+    online_candidates,
 )
 from planner.trace.io import Trace, TraceBatch
 
@@ -158,7 +158,7 @@ def evaluate_bundle(bundle: Bundle, trace: Trace, config: EvalConfig | None = No
         token_conf = np.where(known[:, None], bundle.token_confidence[:, tok].T, 0).astype(
             np.float32
         )
-        ngram_dev = np.zeros((t, big_l), np.int64)
+        ngram_dev = np.full((t, big_l), -1, np.int64)  # -1: no n-gram prediction
         ngram_conf = np.zeros((t, big_l), np.float32)
         if order > 0 and big_l > order:
             top1_dev = expert_device[:, :, 0]  # [T, L]
@@ -166,9 +166,11 @@ def evaluate_bundle(bundle: Bundle, trace: Trace, config: EvalConfig | None = No
                 row = ngram_row_index(top1_dev[:, layer - order : layer], e)
                 ngram_dev[:, layer] = bundle.ngram_to_device[layer, row]
                 ngram_conf[:, layer] = bundle.ngram_confidence[layer, row]
-        chosen, conf = online_choice(token_dev, token_conf, ngram_dev, ngram_conf)
+        chosen, conf, second, second_conf = online_candidates(
+            token_dev, token_conf, ngram_dev, ngram_conf
+        )
         cap = balanced_capacity(t, e, cfg.slack)
-        balanced = assign_with_capacity(chosen.T, conf.T, cap, e).T  # rows = layers
+        balanced = assign_with_capacity(chosen.T, conf.T, cap, e, second.T, second_conf.T).T
 
         acc.occurrences += t
         acc.local["token"] += (expert_device == token_dev[..., None]).sum(axis=(0, 2))

@@ -10,7 +10,8 @@ indexed by the devices of the token's top-1 experts at the n previous layers. DE
 fixes the tie rule: the n-gram table is used only where its confidence is *strictly*
 higher than the token table's. Optionally a per-batch capacity bounds how many tokens a
 device receives (``lar_balanced`` in DESIGN.md "Metrics"): the most confident tokens keep
-their device, the overflow fills the devices with room, least-loaded first.
+their device, and the overflow fills the devices with room -- first the device the other
+table predicted for the token (its second choice, when it has room), then the least-loaded.
 
 The three steps are public functions that take numpy arrays or torch tensors alike, so
 the evaluator scores plans with exactly the code the runtime runs:
@@ -18,6 +19,7 @@ the evaluator scores plans with exactly the code the runtime runs:
 - :func:`ngram_row_index`   devices of the previous layers' top-1 experts -> n-gram row
   (defined with the bundle format, :mod:`planner.export.bundle`)
 - :func:`online_choice`     token vs n-gram table, whichever is more confident
+  (:func:`online_candidates` also returns the other table's prediction, the second choice)
 - :func:`assign_with_capacity` and :func:`balanced_capacity`   the capacity rule
 
 Memory: tables stay int16 / float16 on the device (indexing an int16 table with an int64
@@ -87,30 +89,61 @@ def online_choice(
     All arguments have the same shape [...]. Returns (device [...] int64, confidence
     [...] float32 of the chosen table).
     """
+    return online_candidates(token_device, token_confidence, ngram_device, ngram_confidence)[:2]
+
+
+def online_candidates(
+    token_device: Any, token_confidence: Any, ngram_device: Any, ngram_confidence: Any
+) -> tuple[Any, Any, Any, Any]:
+    """:func:`online_choice` plus the table not chosen: the token's second choice.
+
+    Returns (device, confidence, second_device, second_confidence); the second choice is
+    the other table's device and confidence, or -1 where it names the same device (or no
+    device: an n-gram device < 0 marks layers without an n-gram prediction).
+    """
     td, to_np = _as_tensor(token_device)
     tc, _ = _as_tensor(token_confidence)
     nd, _ = _as_tensor(ngram_device)
     nc, _ = _as_tensor(ngram_confidence)
-    use_ngram = nc.float() > tc.float()
-    device = torch.where(use_ngram, nd.to(torch.int64), td.to(torch.int64))
-    confidence = torch.where(use_ngram, nc.float(), tc.float())
-    return _back(device, to_np), _back(confidence, to_np)
+    td, nd, tc, nc = td.to(torch.int64), nd.to(torch.int64), tc.float(), nc.float()
+    use_ngram = (nc > tc) & (nd >= 0)
+    device = torch.where(use_ngram, nd, td)
+    confidence = torch.where(use_ngram, nc, tc)
+    second = torch.where(use_ngram, td, nd)
+    second = torch.where(second == device, -1, second)
+    second_conf = torch.where(use_ngram, tc, nc)
+    return tuple(_back(x, to_np) for x in (device, confidence, second, second_conf))
 
 
-def assign_with_capacity(device: Any, confidence: Any, capacity: int, num_devices: int) -> Any:
+def assign_with_capacity(
+    device: Any,
+    confidence: Any,
+    capacity: int,
+    num_devices: int,
+    second: Any = None,
+    second_confidence: Any = None,
+) -> Any:
     """Bound each device's tokens per row; the most confident keep their device.
 
     Each row of ``device`` is one batch. Within a row, a device's tokens are ranked by
     confidence (descending; ties by position, earlier first) and the first ``capacity``
-    keep their device. The rest, most confident first, each go to the device with the
-    fewest tokens so far that still has room (ties: lower device id), which is the same
-    as handing out the free slots in order of (load, device).
+    keep their device. The overflow then fills the devices with room:
+
+    1. with ``second`` given, each overflowing token whose second choice (>= 0) still has
+       room goes there; a device's free slots go to the tokens naming it with the highest
+       ``second_confidence`` (ties by position);
+    2. the rest, most confident first, each go to the device with the fewest tokens so far
+       that still has room (ties: lower device id), which is the same as handing out the
+       free slots in order of (load, device).
 
     Args:
         device: [T] or [R, T] int device ids in [0, num_devices).
         confidence: same shape, floats (finite).
         capacity: C, most tokens per device and row; needs T <= C * num_devices.
         num_devices: E.
+        second: optional, same shape: each token's second-choice device, -1 for none
+            (:func:`online_candidates` gives it).
+        second_confidence: same shape as ``second`` (required with it).
 
     Returns:
         [T] or [R, T] int64 devices (numpy in, numpy out), each device holding <= C
@@ -123,46 +156,93 @@ def assign_with_capacity(device: Any, confidence: Any, capacity: int, num_device
             f"device and confidence must both be [T] or [R, T]; got {list(dev.shape)} and "
             f"{list(conf.shape)}"
         )
-    squeeze = dev.dim() == 1
-    if squeeze:
-        dev, conf = dev[None], conf[None]
-    rows, t = dev.shape
     e, c = int(num_devices), int(capacity)
     if e <= 0 or c < 0:
         raise InputError(f"need num_devices > 0 and capacity >= 0, got {e} and {c}")
-    if dev.dtype.is_floating_point or dev.dtype == torch.bool:
-        raise InputError(f"device ids must be integers, got {dev.dtype}")
-    if dev.numel() and (int(dev.min()) < 0 or int(dev.max()) >= e):
-        bad = int(dev.min()) if int(dev.min()) < 0 else int(dev.max())
-        raise InputError(f"device id {bad} outside [0, {e})")
+    _check_device_ids(dev, e, "device")
+    alt = alt_conf = None
+    if (second is None) != (second_confidence is None):
+        raise InputError("second and second_confidence go together")
+    if second is not None:
+        alt, _ = _as_tensor(second)
+        alt_conf, _ = _as_tensor(second_confidence)
+        if alt.shape != dev.shape or alt_conf.shape != dev.shape:
+            raise InputError(
+                f"second and second_confidence must have the shape of device "
+                f"{list(dev.shape)}; got {list(alt.shape)} and {list(alt_conf.shape)}"
+            )
+        _check_device_ids(alt, e, "second", allow_none=True)
+        alt, alt_conf = alt.to(torch.int64), alt_conf.float()
+    squeeze = dev.dim() == 1
+    if squeeze:
+        dev, conf = dev[None], conf[None]
+        if alt is not None:
+            alt, alt_conf = alt[None], alt_conf[None]
+    t = dev.shape[1]
     if t > c * e:
         raise InfeasibleError(
             f"{t} tokens cannot fit {e} devices x capacity {c}; raise the capacity to at "
             f"least {math.ceil(t / e)}"
         )
-    out = _assign_rows(dev.to(torch.int64), conf.float(), c, e)
+    out = _assign_rows(dev.to(torch.int64), conf.float(), c, e, alt, alt_conf)
     return _back(out[0] if squeeze else out, to_np)
 
 
-def _assign_rows(dev: torch.Tensor, conf: torch.Tensor, c: int, e: int) -> torch.Tensor:
+def _check_device_ids(dev: torch.Tensor, e: int, name: str, allow_none: bool = False) -> None:
+    if dev.dtype.is_floating_point or dev.dtype == torch.bool:
+        raise InputError(f"{name} ids must be integers, got {dev.dtype}")
+    lo_ok = -1 if allow_none else 0
+    if dev.numel() and (int(dev.min()) < lo_ok or int(dev.max()) >= e):
+        bad = int(dev.min()) if int(dev.min()) < lo_ok else int(dev.max())
+        raise InputError(f"{name} id {bad} outside [{lo_ok}, {e})")
+
+
+def _rank_in_groups(group: torch.Tensor, conf: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """Rank of each element within its group, by confidence descending, ties by position."""
+    by_conf = torch.argsort(-conf, stable=True)
+    order = by_conf[torch.argsort(group[by_conf], stable=True)]  # by group, then confidence
+    counts = torch.bincount(group, minlength=num_groups)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(group)
+    rank[order] = torch.arange(group.numel(), device=group.device) - starts[group[order]]
+    return rank
+
+
+def _assign_rows(
+    dev: torch.Tensor,
+    conf: torch.Tensor,
+    c: int,
+    e: int,
+    alt: torch.Tensor | None = None,
+    alt_conf: torch.Tensor | None = None,
+) -> torch.Tensor:
     """:func:`assign_with_capacity` on validated [R, T] int64 / float32 tensors."""
     rows, t = dev.shape
     torch_dev = dev.device
     row = torch.arange(rows, device=torch_dev).repeat_interleave(t)
     group = row * e + dev.reshape(-1)  # (row, device) pair of every token, [R*T]
-    # Tokens by confidence, descending; a stable sort keeps row-major order on ties.
-    by_conf = torch.argsort(-conf.reshape(-1), stable=True)
-    order = by_conf[torch.argsort(group[by_conf], stable=True)]  # by group, then confidence
-    counts = torch.bincount(group, minlength=rows * e)
-    starts = torch.cumsum(counts, 0) - counts
-    rank = torch.empty_like(group)
-    rank[order] = torch.arange(rows * t, device=torch_dev) - starts[group[order]]
-    keep = rank < c
+    keep = _rank_in_groups(group, conf.reshape(-1), rows * e) < c
     out = dev.reshape(-1).clone()
     if bool(keep.all()):
         return out.reshape(rows, t)
+    kept = torch.bincount(group[keep], minlength=rows * e)
 
-    # Overflow tokens of each row, most confident first.
+    # 1. Overflow tokens to their second choice where it has room.
+    if alt is not None:
+        alt_flat = alt.reshape(-1)
+        cand = torch.nonzero(~keep & (alt_flat >= 0)).flatten()
+        if cand.numel():
+            alt_group = row[cand] * e + alt_flat[cand]
+            rank = _rank_in_groups(alt_group, alt_conf.reshape(-1)[cand], rows * e)
+            taken = cand[rank < (c - kept)[alt_group]]
+            out[taken] = alt_flat[taken]
+            keep[taken] = True
+            kept += torch.bincount(row[taken] * e + alt_flat[taken], minlength=rows * e)
+        if bool(keep.all()):
+            return out.reshape(rows, t)
+
+    # 2. The rest of each row, most confident first, to the least-loaded devices.
+    by_conf = torch.argsort(-conf.reshape(-1), stable=True)
     over = by_conf[~keep[by_conf]]
     over = over[torch.argsort(row[over], stable=True)]
     over_counts = torch.bincount(row[over], minlength=rows)
@@ -171,7 +251,6 @@ def _assign_rows(dev: torch.Tensor, conf: torch.Tensor, c: int, e: int) -> torch
     ).repeat_interleave(over_counts)
 
     # Free slots (row, device, load level) in order of (row, load, device).
-    kept = counts.clamp(max=c)
     free = c - kept
     slot_group = torch.arange(rows * e, device=torch_dev).repeat_interleave(free)
     slot_starts = torch.cumsum(free, 0) - free
@@ -285,10 +364,14 @@ class PlanTables:
         Returns:
             [T] int64 device ids in [0, E), on the tables' device.
         """
-        dev, conf = self.choose(token_ids, layer, prev_top1_experts, validate=validate)
+        dev, conf, second, second_conf = self.candidates(
+            token_ids, layer, prev_top1_experts, validate=validate
+        )
         if max_tokens_per_device is None:
             return dev
-        return assign_with_capacity(dev, conf, max_tokens_per_device, self.ep_size)
+        return assign_with_capacity(
+            dev, conf, max_tokens_per_device, self.ep_size, second, second_conf
+        )
 
     def choose(
         self,
@@ -299,18 +382,34 @@ class PlanTables:
         validate: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`route` without capacity: (device [T] int64, confidence [T] float32)."""
+        return self.candidates(token_ids, layer, prev_top1_experts, validate=validate)[:2]
+
+    def candidates(
+        self,
+        token_ids: torch.Tensor,
+        layer: int,
+        prev_top1_experts: torch.Tensor | None = None,
+        *,
+        validate: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`choose` plus each token's second choice (see :func:`online_candidates`).
+
+        Returns (device, confidence, second_device, second_confidence), all [T]; the
+        second device is -1 where there is none (no n-gram prediction, or the same device).
+        """
         ids = self._check_route_args(token_ids, layer, prev_top1_experts, validate)
-        token_dev = self.token_to_device[layer][ids]
-        token_conf = self.token_confidence[layer][ids]
+        token_dev = self.token_to_device[layer][ids].to(torch.int64)
+        token_conf = self.token_confidence[layer][ids].float()
         n = self.ngram_order
         if prev_top1_experts is None or layer < n:
-            return token_dev.to(torch.int64), token_conf.float()
+            none = torch.full_like(token_dev, -1)
+            return token_dev, token_conf, none, torch.zeros_like(token_conf)
         prev = prev_top1_experts.to(device=self.device, dtype=torch.int64)
         # Device of each previous layer's top-1 expert: expert_to_device[l-n+j, prev[:, j]].
         prev_layers = torch.arange(layer - n, layer, device=self.device)
         prev_dev = self.expert_to_device[prev_layers[None, :], prev]
         row = ngram_row_index(prev_dev, self.ep_size)
-        return online_choice(
+        return online_candidates(
             token_dev,
             token_conf,
             self.ngram_to_device[layer][row],

@@ -54,24 +54,33 @@ def tables(tmp_path) -> PlanTables:
 # Reference implementations (loops over tokens)
 
 
-def reference_choice(b: Bundle, token_ids, layer, prev):
+def reference_choice(b: Bundle, token_ids, layer, prev, *, second=False):
     e, n = b.ep_size, b.ngram_order
-    devices, confs = [], []
+    devices, confs, seconds, second_confs = [], [], [], []
     for t, tok in enumerate(token_ids):
         dev, conf = int(b.token_to_device[layer, tok]), float(b.token_confidence[layer, tok])
+        alt, alt_conf = -1, 0.0
         if prev is not None and layer >= n:
             row = 0
             for j in range(n):  # layer l-n+j, most recent (j = n-1) least significant
                 row = row * e + int(b.expert_to_device[layer - n + j, prev[t][j]])
             ndev, nconf = int(b.ngram_to_device[layer, row]), float(b.ngram_confidence[layer, row])
             if nconf > conf:
-                dev, conf = ndev, nconf
+                dev, conf, alt, alt_conf = ndev, nconf, dev, conf
+            else:
+                alt, alt_conf = ndev, nconf
+            if alt == dev:
+                alt = -1
         devices.append(dev)
         confs.append(conf)
+        seconds.append(alt)
+        second_confs.append(alt_conf)
+    if second:
+        return devices, confs, seconds, second_confs
     return devices, confs
 
 
-def reference_capacity(devices, confs, capacity, num_devices):
+def reference_capacity(devices, confs, capacity, num_devices, seconds=None, second_confs=None):
     t = len(devices)
     out = list(devices)
     load = [0] * num_devices
@@ -82,6 +91,15 @@ def reference_capacity(devices, confs, capacity, num_devices):
             load[devices[i]] += 1
         else:
             overflow.append(i)
+    if seconds is not None:  # second choices, most confident (in them) first, where room
+        placed = set()
+        for i in sorted(overflow, key=lambda i: (-second_confs[i], i)):
+            d = seconds[i]
+            if d >= 0 and load[d] < capacity:
+                out[i] = d
+                load[d] += 1
+                placed.add(i)
+        overflow = [i for i in overflow if i not in placed]
     for i in overflow:  # least-loaded device with room, lowest id on ties
         d = min((d for d in range(num_devices) if load[d] < capacity), key=lambda d: (load[d], d))
         out[i] = d
@@ -183,6 +201,42 @@ def test_capacity_golden():
     assert assign_with_capacity(torch.tensor([0, 1, 2]), torch.ones(3), 1, 3).tolist() == [0, 1, 2]
 
 
+def test_capacity_second_choice_golden():
+    # As above, and overflow tokens 2 and 4 name device 2 as their second choice.
+    device = [0, 0, 0, 0, 0, 2]
+    conf = [0.1, 0.9, 0.5, 0.9, 0.3, 1.0]
+    second = [-1, 1, 2, -1, 2, -1]
+    second_conf = [0.0, 0.8, 0.2, 0.0, 0.4, 0.0]
+    # Device 2 has one free slot: token 4 (second confidence 0.4) beats token 2 (0.2).
+    # Then the rest by confidence to the least loaded: token 2 -> d1, token 0 -> d1.
+    out = assign_with_capacity(
+        np.array(device), np.array(conf), 2, 3, np.array(second), np.array(second_conf)
+    )
+    assert out.tolist() == [1, 0, 1, 0, 2, 2]
+    assert out.tolist() == reference_capacity(device, conf, 2, 3, second, second_conf)
+    # Nothing overflows: second choices are ignored.
+    same = assign_with_capacity(torch.tensor([0, 1]), torch.ones(2), 1, 2, torch.tensor([1, 0]),
+                                torch.ones(2))  # fmt: skip
+    assert same.tolist() == [0, 1]
+
+
+def test_route_overflow_goes_to_the_ngram_device():
+    # 4 tokens, all on token-table device 0 (confidence 1); the n-gram says device 1 (0.5).
+    meta = TraceMeta(model="test/rt2", num_layers=2, num_experts=4, top_k=1, vocab_size=4)
+    bundle = Bundle.from_arrays(
+        meta, ep_size=4, expert_to_device=np.tile(np.arange(4), (2, 1)),
+        token_to_device=np.zeros((2, 4), int), token_confidence=np.ones((2, 4)),
+        ngram_to_device=np.ones((2, 4), int), ngram_confidence=np.full((2, 4), 0.5),
+        ngram_order=1,
+    )  # fmt: skip
+    t = PlanTables.from_bundle(bundle)
+    ids, prev = torch.arange(4), torch.zeros(4, 1, dtype=torch.int64)
+    # Capacity 2: tokens 0, 1 keep device 0; 2, 3 overflow to their n-gram device 1.
+    assert t.route(ids, 1, prev, max_tokens_per_device=2).tolist() == [0, 0, 1, 1]
+    # Layer 0 has no n-gram prediction: the overflow goes to the least-loaded devices.
+    assert t.route(ids, 0, prev, max_tokens_per_device=2).tolist() == [0, 0, 1, 2]
+
+
 def test_route_with_capacity_keeps_most_confident():
     t = hand_tables()
     ids = torch.tensor([3, 2, 1, 0])  # layer 1 token table: devices 0, 0, 1, 1
@@ -202,6 +256,12 @@ def test_capacity_refuses_bad_arguments():
         assign_with_capacity(np.array([0, 1]), np.zeros(3), 2, 3)
     with pytest.raises(InputError, match="must be integers"):
         assign_with_capacity(np.array([0.0]), np.zeros(1), 2, 3)
+    with pytest.raises(InputError, match="go together"):
+        assign_with_capacity(np.array([0, 1]), np.zeros(2), 2, 3, np.array([1, 0]))
+    with pytest.raises(InputError, match="second id 3 outside"):
+        assign_with_capacity(np.array([0, 1]), np.zeros(2), 2, 3, np.array([3, 0]), np.zeros(2))
+    with pytest.raises(InputError, match="shape of device"):
+        assign_with_capacity(np.array([0, 1]), np.zeros(2), 2, 3, np.array([1]), np.zeros(1))
 
 
 def test_balanced_capacity_is_exact():
@@ -233,9 +293,17 @@ def test_route_equals_reference_loop(seed, tmp_path):
             assert dev.dtype == torch.int64
             assert dev.tolist() == want_dev
             np.testing.assert_allclose(conf.numpy(), want_conf)
+            _, _, want_second, want_second_conf = reference_choice(
+                bundle, ids, layer, history, second=True
+            )
+            got = tables.candidates(torch.from_numpy(ids), layer, h)
+            assert got[2].tolist() == want_second
+            np.testing.assert_allclose(got[3].numpy(), want_second_conf)
             cap = balanced_capacity(t, bundle.ep_size)
             got = tables.route(torch.from_numpy(ids), layer, h, max_tokens_per_device=cap)
-            assert got.tolist() == reference_capacity(want_dev, want_conf, cap, bundle.ep_size)
+            assert got.tolist() == reference_capacity(
+                want_dev, want_conf, cap, bundle.ep_size, want_second, want_second_conf
+            )
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -250,6 +318,15 @@ def test_capacity_rows_equal_reference_loop(seed):
     assert out.shape == (rows, t)
     for r in range(rows):
         assert out[r].tolist() == reference_capacity(device[r].tolist(), conf[r].tolist(), cap, e)
+    second = rng.integers(-1, e, (rows, t))
+    second_conf = rng.integers(0, 4, (rows, t)) / 3
+    out = assign_with_capacity(device, conf, cap, e, second, second_conf)
+    for r in range(rows):
+        want = reference_capacity(
+            device[r].tolist(), conf[r].tolist(), cap, e, second[r].tolist(),
+            second_conf[r].tolist(),
+        )  # fmt: skip
+        assert out[r].tolist() == want
 
 
 @settings(max_examples=60, deadline=None)
@@ -267,7 +344,13 @@ def test_capacity_invariants(case):
     device = np.array([d for d, _ in tokens])
     conf = np.array([c for _, c in tokens], np.float32)
     cap = -(-len(tokens) // e) + extra  # feasible
+    second = (device + 1 + np.arange(len(tokens)) % 2) % (e + 1) - 1  # some -1
+    second_conf = conf[::-1].copy()
+    with_second = assign_with_capacity(device, conf, cap, e, second, second_conf)
+    assert np.bincount(with_second, minlength=e).max() <= cap
     out = assign_with_capacity(device, conf, cap, e)
+    # The same tokens keep their own device either way; only the overflow's targets differ.
+    assert ((out == device) == (with_second == device)).all()
     counts = np.bincount(out, minlength=e)
     assert counts.max() <= cap
     wanted = np.bincount(device, minlength=e)
