@@ -197,9 +197,9 @@ def _check_device_ids(dev: torch.Tensor, e: int, name: str, allow_none: bool = F
         raise InputError(f"{name} id {bad} outside [{lo_ok}, {e})")
 
 
-def _rank_in_groups(group: torch.Tensor, conf: torch.Tensor, num_groups: int) -> torch.Tensor:
-    """Rank of each element within its group, by confidence descending, ties by position."""
-    by_conf = torch.argsort(-conf, stable=True)
+def _rank_in_groups(group: torch.Tensor, by_conf: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """Rank of each element within its group in the order ``by_conf`` (a permutation:
+    confidence descending, ties by position)."""
     order = by_conf[torch.argsort(group[by_conf], stable=True)]  # by group, then confidence
     counts = torch.bincount(group, minlength=num_groups)
     starts = torch.cumsum(counts, 0) - counts
@@ -221,7 +221,9 @@ def _assign_rows(
     torch_dev = dev.device
     row = torch.arange(rows, device=torch_dev).repeat_interleave(t)
     group = row * e + dev.reshape(-1)  # (row, device) pair of every token, [R*T]
-    keep = _rank_in_groups(group, conf.reshape(-1), rows * e) < c
+    # Tokens by confidence, descending; a stable sort keeps row-major order on ties.
+    by_conf = torch.argsort(-conf.reshape(-1), stable=True)
+    keep = _rank_in_groups(group, by_conf, rows * e) < c
     out = dev.reshape(-1).clone()
     if bool(keep.all()):
         return out.reshape(rows, t)
@@ -233,7 +235,8 @@ def _assign_rows(
         cand = torch.nonzero(~keep & (alt_flat >= 0)).flatten()
         if cand.numel():
             alt_group = row[cand] * e + alt_flat[cand]
-            rank = _rank_in_groups(alt_group, alt_conf.reshape(-1)[cand], rows * e)
+            by_alt_conf = torch.argsort(-alt_conf.reshape(-1)[cand], stable=True)
+            rank = _rank_in_groups(alt_group, by_alt_conf, rows * e)
             taken = cand[rank < (c - kept)[alt_group]]
             out[taken] = alt_flat[taken]
             keep[taken] = True
@@ -242,7 +245,6 @@ def _assign_rows(
             return out.reshape(rows, t)
 
     # 2. The rest of each row, most confident first, to the least-loaded devices.
-    by_conf = torch.argsort(-conf.reshape(-1), stable=True)
     over = by_conf[~keep[by_conf]]
     over = over[torch.argsort(row[over], stable=True)]
     over_counts = torch.bincount(row[over], minlength=rows)
