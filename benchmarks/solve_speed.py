@@ -10,9 +10,11 @@ alongside the seconds. EP 32 token imbalance exceeds 1.1 because the most freque
 each carry more than 1.1/32 of all occurrences (indivisible tokens, see
 :mod:`planner.solve.problem`).
 
-Whole model: ``--model-layers`` layers (default 58) are solved with
-:func:`planner.solve.plan.solve_model` (``--jobs`` processes, default 2) when ``--full`` is
-given; otherwise the 58-layer time is estimated from the per-layer time and the job count.
+Whole model: ``--model-layers`` layers (default 58) of one synthetic DeepSeek-V3-shaped
+model are solved with :func:`planner.solve.plan.solve_model` (``--jobs`` processes, default
+2) and, as ``moeplan solve`` does, the n-gram term (layers in order within runs of 16,
+:mod:`planner.solve.ngram_term`; ``--ngram-weight 0`` turns it off) when ``--full`` is given;
+otherwise the 58-layer time is estimated from the per-layer time and the job count.
 
     python benchmarks/solve_speed.py [--occurrences 350000] [--methods ceo,metis,...] [--full]
 """
@@ -98,14 +100,49 @@ def _print_row(r: dict) -> None:
     )
 
 
-def whole_model(layers: int, occurrences: int, eps: list[int], jobs: int, seed: int) -> list[dict]:
-    """Solve ``layers`` synthetic layers with ``solve_model(jobs=jobs)`` at each EP size."""
+def synth_model(layers: int, occurrences: int, seed: int):
+    """Per-layer (token ids, W, a) and the top-1 transition statistic of a DeepSeek-V3-shaped
+    model of ``layers`` layers (the n-gram term reads the transitions)."""
+    from planner.predict.ngram import TransitionAccumulator
+    from planner.trace.synth import SynthGenerator, preset_config
+
+    config = preset_config(
+        "deepseek-v3", num_layers=layers, num_tokens=occurrences,
+        num_requests=max(1, occurrences // 2000), seed=seed,
+    )  # fmt: skip
+    k, n = config.top_k, config.num_experts
+    acc = TransitionAccumulator(layers, n)
+    tokens, experts = [], []
+    for batch in SynthGenerator(config).batches():
+        acc.add(batch.experts)
+        tokens.append(batch.token_id.astype(np.int64))
+        experts.append(batch.experts.astype(np.int16))
+    tok, exp = np.concatenate(tokens), np.concatenate(experts)
+    ids, rows = np.unique(tok, return_inverse=True)
+    layer_data = []
+    for layer in range(layers):
+        w = sparse.csr_matrix(
+            (np.ones(tok.size * k), (np.repeat(rows, k), exp[:, layer].astype(np.int64).ravel())),
+            shape=(ids.size, n),
+        )
+        w.sum_duplicates()
+        layer_data.append((ids, w, np.asarray(w.sum(axis=1)).ravel() / k))
+    return layer_data, acc.result()
+
+
+def whole_model(
+    layers: int, occurrences: int, eps: list[int], jobs: int, seed: int, ngram_weight: float
+) -> list[dict]:
+    """Solve ``layers`` synthetic layers with ``solve_model(jobs=jobs)`` at each EP size,
+    with the n-gram term (order 2) as ``moeplan solve`` runs it unless ``ngram_weight`` is 0."""
+    from planner.solve.ngram_term import NgramTerm
     from planner.solve.plan import solve_model
     from planner.solve.problem import LayerProblem, SolverConfig
 
     built = time.perf_counter()
-    layer_data = [synth_layer(occurrences, seed, layer) for layer in range(layers)]
+    layer_data, transitions = synth_model(layers, occurrences, seed)
     build_s = time.perf_counter() - built
+    term = NgramTerm(transitions, 2, ngram_weight) if ngram_weight > 0 else None
     out = []
     for ep in eps:
         problems = [
@@ -114,13 +151,16 @@ def whole_model(layers: int, occurrences: int, eps: list[int], jobs: int, seed: 
         ]
         started = time.perf_counter()
         placements = solve_model(
-            problems, "ceo", SolverConfig(seed=seed), jobs=jobs, progress=False
+            problems, "ceo", SolverConfig(seed=seed), jobs=jobs, progress=False, ngram_term=term
         )
         seconds = [p.seconds for p in placements]
+        ngram = [p.info["ngram_term"]["local_rate"] for p in placements if "ngram_term" in p.info]
         out.append({
-            "layers": layers, "ep": ep, "jobs": jobs, "seconds": time.perf_counter() - started,
+            "layers": layers, "ep": ep, "jobs": jobs, "ngram_weight": ngram_weight,
+            "seconds": time.perf_counter() - started,
             "layer_seconds_max": max(seconds), "layer_seconds_mean": float(np.mean(seconds)),
             "build_seconds": build_s, "mean_lar": float(np.mean([p.local_rate for p in placements])),
+            "mean_ngram_fit_rate": float(np.mean(ngram)) if ngram else None,
             "within_target": time.perf_counter() - started <= TARGET_MODEL_S,
         })  # fmt: skip
         print(f"model EP{ep}: {out[-1]['seconds']:.1f} s for {layers} layers with {jobs} jobs",
@@ -137,6 +177,12 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--model-layers", type=int, default=58)
     ap.add_argument("--full", action="store_true", help="solve the whole model (slow)")
+    ap.add_argument(
+        "--ngram-weight",
+        type=float,
+        default=1.0,
+        help="n-gram term of the whole-model solve (0: layers independent)",
+    )
     args = ap.parse_args(argv)
     eps = [int(e) for e in args.ep.split(",")]
     ids, w, a = synth_layer(args.occurrences, args.seed)
@@ -161,7 +207,7 @@ def main(argv=None) -> int:
         }
     if args.full:
         report["model"] = whole_model(
-            args.model_layers, args.occurrences, eps, args.jobs, args.seed
+            args.model_layers, args.occurrences, eps, args.jobs, args.seed, args.ngram_weight
         )
     print(json.dumps(report, indent=2))
     return 0

@@ -46,12 +46,20 @@ def solve(
     ngram_order: int = typer.Option(
         2, "--ngram-order", help="n of the n-gram device tables (1-3)."
     ),
+    ngram_weight: float = typer.Option(
+        1.0,
+        "--ngram-weight",
+        help="Weight of the n-gram term: layers solved in order, each placement also chosen "
+        "for its n-gram table (0 = layers independent).",
+    ),
     options: str = typer.Option(None, "--options", help="Per-method solver options as JSON."),
     as_json: bool = typer.Option(False, "--json", help="Print the per-layer reports as JSON."),
 ) -> None:
     """Place every layer's experts on E devices and give every token a device."""
     pred = load_predictor(predictor)
-    config = PlanConfig(method, ep, beta, seed, jobs, time_limit, ngram_order, _options(options))
+    config = PlanConfig(
+        method, ep, beta, seed, jobs, time_limit, ngram_order, _options(options), ngram_weight
+    )
     plan = make_plan(pred, config, progress=not as_json)
     plan.save(out)
     if as_json:
@@ -89,6 +97,7 @@ def compare(
         None, "--time-limit", help="Seconds per layer (ILP needs one on big problems)."
     ),
     ngram_order: int = typer.Option(2, "--ngram-order"),
+    ngram_weight: float = typer.Option(1.0, "--ngram-weight", help="As in `moeplan solve`."),
     batch_tokens: int = typer.Option(
         4096, "--batch-tokens", help="Tokens per runtime batch for the balanced LAR."
     ),
@@ -104,7 +113,9 @@ def compare(
         )
     pred = load_predictor(predictor)
     trace = open_trace(heldout)
-    config = PlanConfig(names[0], ep, beta, seed, jobs, time_limit, ngram_order, _options(options))
+    config = PlanConfig(
+        names[0], ep, beta, seed, jobs, time_limit, ngram_order, _options(options), ngram_weight
+    )
     result = compare_methods(
         pred, trace, names, config, EvalConfig(batch_tokens=batch_tokens), progress=not as_json
     )

@@ -254,23 +254,13 @@ def fit_ngram_device_table(
     to_device = np.zeros((big_l, rows_per_layer), np.int16)
     confidence = np.zeros((big_l, rows_per_layer), np.float16)
     for layer in range(big_l):
-        tuples, counts = transitions.layer(layer)
-        if target == "top1":
-            keep = tuples[:, _RANK] == 0
-            tuples, counts = tuples[keep], counts[keep]
+        tuples, counts = _target_tuples(transitions, layer, target)
         routed_device = e2d[layer][tuples[:, 3].astype(np.int64)]
         common = int(np.argmax(np.bincount(routed_device, weights=counts, minlength=ep_size)))
         to_device[layer] = common
         if layer < order or tuples.shape[0] == 0:
             continue
-        ctx = np.stack(
-            [
-                e2d[layer - i][tuples[:, MAX_ORDER - i].astype(np.int64)]
-                for i in range(order, 0, -1)
-            ],
-            axis=1,
-        )
-        cell = ngram_row_index(ctx, ep_size) * ep_size + routed_device
+        cell = _context_rows(tuples, e2d, layer, order, ep_size) * ep_size + routed_device
         shape = (rows_per_layer, ep_size)
         joint = np.bincount(
             cell, weights=counts.astype(np.float64), minlength=rows_per_layer * ep_size
@@ -287,6 +277,64 @@ def fit_ngram_device_table(
         to_device[layer, seen] = best[seen]
         confidence[layer, seen] = (joint[seen, best[seen]] / total[seen]).astype(np.float16)
     return NgramDeviceTable(to_device, confidence, order, ep_size)
+
+
+def ngram_context_affinity(
+    transitions: TopOneTransitions,
+    expert_to_device: np.ndarray,
+    layer: int,
+    ep_size: int,
+    order: int = 2,
+    target: str = "routed",
+) -> np.ndarray:
+    """[E**n, N] float64 activations of layer ``layer``'s experts per n-gram context.
+
+    Row c counts, over the fitting tokens whose top-1 experts at layers l-n .. l-1 sat on
+    the devices of context c (the n-gram table's row c, same layout), the activations of
+    each expert of layer l (all k routed experts for ``target="routed"``, the top-1 only for
+    ``"top1"``). Only rows ``l-n .. l-1`` of ``expert_to_device`` are read. Under a
+    placement x of layer l, the n-gram table predicts for context c the device d maximising
+    ``sum_{k on d} row_c[k]``, and that maximum is what the table gets right on the fitting
+    data; so these rows, appended to layer l's problem as load-free tokens, make a solver
+    optimise the n-gram table along with the token table (see
+    :mod:`planner.solve.ngram_term`). Layers l < n have no context: all zeros.
+    """
+    if order not in range(1, MAX_ORDER + 1):
+        raise InputError(f"ngram order {order!r} must be 1, 2 or 3")
+    if target not in TARGETS:
+        raise InputError(f"n-gram target {target!r} must be one of {', '.join(TARGETS)}")
+    n_experts = transitions.num_experts
+    _check_ep(n_experts, ep_size)
+    e2d = _check_placement(expert_to_device, transitions.num_layers, n_experts, ep_size)
+    rows = np.zeros((ep_size**order, n_experts))
+    tuples, counts = _target_tuples(transitions, layer, target)
+    if layer < order or tuples.shape[0] == 0:
+        return rows
+    ctx = _context_rows(tuples, e2d, layer, order, ep_size)
+    np.add.at(rows, (ctx, tuples[:, 3].astype(np.int64)), counts.astype(np.float64))
+    return rows
+
+
+def _target_tuples(
+    transitions: TopOneTransitions, layer: int, target: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """Layer l's (tuples, counts), the top-1 rows only for the ``"top1"`` target."""
+    tuples, counts = transitions.layer(layer)
+    if target == "top1":
+        keep = tuples[:, _RANK] == 0
+        tuples, counts = tuples[keep], counts[keep]
+    return tuples, counts
+
+
+def _context_rows(
+    tuples: np.ndarray, e2d: np.ndarray, layer: int, order: int, ep_size: int
+) -> np.ndarray:
+    """[M] int64 n-gram table row of each tuple's context under placement ``e2d``."""
+    ctx = np.stack(
+        [e2d[layer - i][tuples[:, MAX_ORDER - i].astype(np.int64)] for i in range(order, 0, -1)],
+        axis=1,
+    )
+    return ngram_row_index(ctx, ep_size)
 
 
 def predict_devices(

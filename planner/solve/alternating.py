@@ -95,17 +95,18 @@ def cluster_tokens(
     """Initial token clusters by their affinity to experts: balanced spherical k-means.
 
     Token j's profile is its routing distribution (row of W, unit length); E centroids are
-    seeded by k-means++ among the most frequent tokens (weighted by frequency), then
-    ``rounds`` times: tokens go to their most similar centroid under the capacity
-    assignment (so clusters stay balanced), centroids become the frequency-weighted mean
-    profile of their tokens. Returns token_to_device [J] int64.
+    seeded by k-means++ among the heaviest rows (weighted by :attr:`row_mass`, the
+    frequency of a token row), then ``rounds`` times: tokens go to their most similar
+    centroid under the capacity assignment (so clusters stay balanced), centroids become the
+    mass-weighted mean profile of their tokens. Returns token_to_device [J] int64.
     """
     w, freq, e = problem.affinity, problem.token_freq, problem.ep_size
+    mass = problem.row_mass
     norms = np.sqrt(np.asarray(w.multiply(w).sum(axis=1)).ravel())
     unit = sparse.diags(np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0)) @ w
-    seeds_from = problem.most_frequent_tokens(2048)
+    seeds_from = problem.heaviest_rows(2048)
     pool = unit[seeds_from].toarray()
-    pool_w = freq[seeds_from] / max(freq[seeds_from].sum(), 1e-300)
+    pool_w = mass[seeds_from] / max(mass[seeds_from].sum(), 1e-300)
     # greedy k-means++: of a few distance-weighted draws, keep the one that covers most
     trials = 2 + int(np.log(e))
     chosen = [int(rng.choice(seeds_from.size, p=pool_w))]
@@ -124,13 +125,13 @@ def cluster_tokens(
     t = np.zeros(problem.num_tokens, dtype=np.int64)
     prices = None
     for _ in range(max(1, rounds)):
-        similarity = np.asarray(unit @ centroids.T) * freq[:, None]  # [J, E]
+        similarity = np.asarray(unit @ centroids.T) * mass[:, None]  # [J, E]
         result = assign_tokens(similarity, freq, problem.capacity, prices=prices, sweeps=4)
         t_new, prices = result.token_to_device, result.prices
-        mass = (
-            sparse.csr_matrix((freq, (t_new, np.arange(t_new.size))), shape=(e, t_new.size)) @ unit
+        summed = (
+            sparse.csr_matrix((mass, (t_new, np.arange(t_new.size))), shape=(e, t_new.size)) @ unit
         )
-        centroids = np.asarray(mass.todense()) if sparse.issparse(mass) else np.asarray(mass)
+        centroids = np.asarray(summed.todense()) if sparse.issparse(summed) else np.asarray(summed)
         centroids /= np.maximum(np.linalg.norm(centroids, axis=1, keepdims=True), 1e-300)
         if (t_new == t).all():
             break

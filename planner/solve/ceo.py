@@ -9,8 +9,8 @@ towards them, repeat.
 - distributions ``P_ep`` [N, E] for experts and ``P_tk`` [J, E] for tokens, uniform at first;
 - balanced sampling (``sample`` in Algorithm 1): items are drawn in index order from their
   row of P restricted to the devices not yet masked; a device is masked once it holds N/E
-  experts, or (tokens) once its token load reaches ``beta x S / E`` (load counted as the
-  token's activations ``sum_k W[j,k]``, proportional to ``a_j``). For speed, tokens are
+  experts, or (tokens) once its token load (sum of ``a_j``, proportional to the tokens'
+  activations) reaches ``beta x S / E``. For speed, tokens are
   drawn in blocks of ``token_block`` (256) with the masks updated between blocks, so a
   device may overshoot by one block's share; with J >> 256 this is negligible;
 - each (expert sample, token sample) pair is scored by its local activations; the top
@@ -28,7 +28,8 @@ change has a switch, and ``benchmarks/solve_quality.py`` shows its effect:
   each is scored with its best tokens, the shared capacity assignment
   (:func:`planner.solve.common.assign_tokens`), instead of an independent token sample.
   Scoring uses the ``score_tokens`` most frequent tokens (capacity scaled to their load;
-  about 16k gain entries by default), with dual prices warm-started between samples;
+  about 16k gain entries by default) and as many of the heaviest load-free rows (n-gram
+  contexts, :mod:`planner.solve.ngram_term`), with dual prices warm-started between samples;
 - ``align_labels``: device labels are arbitrary, so elite samples are relabelled (linear
   assignment on their overlap with the best placement so far) before they are averaged;
 - ``local_search``: every sample is first improved by the shared local search
@@ -249,8 +250,8 @@ def _cross_entropy_joint(
     n, e, per = problem.num_experts, problem.ep_size, problem.experts_per_device
     n_elite = max(1, math.ceil(float(opts["elite"]) * num_samples))
     alpha = float(opts["smoothing"])
-    act = problem.token_activations
-    token_cap = problem.beta * act.sum() / e
+    load = problem.token_freq
+    token_cap = problem.capacity
     p_ep = np.full((n, e), 1.0 / e)
     p_tk = np.full((problem.num_tokens, e), 1.0 / e)
     w = problem.affinity
@@ -263,7 +264,9 @@ def _cross_entropy_joint(
             break
         order = np.argsort(rng.random((num_samples, n)), axis=1) if random_order else None
         ep = sample_balanced(rng, p_ep, num_samples, np.ones(n), per, order=order)
-        tk = sample_balanced(rng, p_tk, num_samples, act, token_cap, block=int(opts["token_block"]))
+        tk = sample_balanced(
+            rng, p_tk, num_samples, load, token_cap, block=int(opts["token_block"])
+        )
         # score: local activations of each (expert sample, token sample) pair
         scores = np.array([vals[ep[s, cols] == tk[s, rows]].sum() for s in range(num_samples)])
         ranked = np.argsort(-scores, kind="stable")
@@ -300,7 +303,13 @@ class _Scorer:
         swaps: bool,
         rounds: int,
     ):
-        keep = problem.most_frequent_tokens(max(1, num_tokens))
+        # the heaviest token rows, and as many heaviest load-free rows (n-gram contexts),
+        # so that neither kind crowds the other out of the scoring set
+        free = problem.token_freq == 0
+        keep = np.union1d(
+            _heaviest(problem.row_mass, ~free, num_tokens),
+            _heaviest(problem.row_mass, free, num_tokens),
+        )
         self.problem = problem if keep.size == problem.num_tokens else problem.select_tokens(keep)
         self.sweeps = sweeps
         self.local_search = local_search
@@ -322,6 +331,12 @@ class _Scorer:
             )  # fmt: skip
             gain = device_gains(sub, x)
         return x, objective(sub, gain, t)
+
+
+def _heaviest(mass: np.ndarray, among: np.ndarray, count: int) -> np.ndarray:
+    """Ids of the ``count`` rows of largest ``mass`` among the rows where ``among`` holds."""
+    ids = np.flatnonzero(among)
+    return ids[np.argsort(-mass[ids], kind="stable")[: max(1, count)]]
 
 
 def _earliest(a: float | None, b: float | None) -> float | None:

@@ -191,9 +191,9 @@ def build_program(
 
 
 def _tokens_in_budget(problem: LayerProblem, max_variables: int) -> np.ndarray:
-    """Row ids of the most frequent tokens whose z-variables fit the budget (sorted)."""
+    """Row ids of the heaviest rows (most frequent tokens) whose z-variables fit the budget."""
     nnz = np.diff(problem.affinity.indptr)
-    order = np.argsort(-problem.token_freq, kind="stable")
+    order = np.argsort(-problem.row_mass, kind="stable")
     fits = np.cumsum(nnz[order]) * problem.ep_size <= max_variables
     count = max(int(fits.sum()), min(1, problem.num_tokens))
     return np.sort(order[:count])

@@ -88,7 +88,7 @@ def expert_profiles(problem: LayerProblem, profile: str = "coactivation") -> np.
     w = problem.affinity
     if profile == "coactivation":
         act = problem.token_activations
-        row = np.divide(np.sqrt(problem.token_freq), act, out=np.zeros_like(act), where=act > 0)
+        row = np.divide(np.sqrt(problem.row_mass), act, out=np.zeros_like(act), where=act > 0)
         w = sparse.diags(row) @ w
     norms = np.sqrt(np.asarray(w.multiply(w).sum(axis=0)).ravel())
     scaled = w @ sparse.diags(np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0))

@@ -2,7 +2,9 @@
 
 1. one :class:`LayerProblem` per MoE layer from the predictor's affinity (tokens seen in
    fitting, W = their routed activations, a = their frequencies);
-2. :func:`planner.solve.plan.solve_model` with the chosen method;
+2. :func:`planner.solve.plan.solve_model` with the chosen method; when the predictor has
+   transition statistics, with the n-gram term (:mod:`planner.solve.ngram_term`): layers
+   in order, each placement also chosen for the n-gram table it will get;
 3. a vocabulary-wide token table per layer: solved tokens keep the solver's device and
    confidence; an unseen token borrows the device of the known token the predictor maps it
    to (nearest input embedding, paper 000 §3.3) at half that token's confidence; a token
@@ -16,6 +18,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -26,6 +29,7 @@ from planner.errors import InputError
 from planner.predict.ngram import fit_ngram_device_table
 from planner.predict.predictor import Predictor
 from planner.solve.metrics import token_table
+from planner.solve.ngram_term import NgramTerm
 from planner.solve.plan import Plan, solve_model
 from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig
 from planner.solve.registry import get_solver
@@ -49,6 +53,8 @@ class PlanConfig:
         time_limit: seconds per layer a solver may spend (None = its default).
         ngram_order: n of the n-gram device tables (1..3).
         options: per-method solver options, ``{"ceo": {"variant": "paper"}}``.
+        ngram_weight: weight of the n-gram term against the token rows
+            (:mod:`planner.solve.ngram_term`); 0 solves every layer on its own.
     """
 
     method: str = "ceo"
@@ -59,6 +65,7 @@ class PlanConfig:
     time_limit: float | None = None
     ngram_order: int = 2
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    ngram_weight: float = 1.0
 
     def __post_init__(self) -> None:
         get_solver(self.method)
@@ -68,6 +75,8 @@ class PlanConfig:
             raise InputError(f"jobs={self.jobs} must be at least 1")
         if self.beta < 1:
             raise InputError(f"beta={self.beta} must be >= 1")
+        if not (math.isfinite(self.ngram_weight) and self.ngram_weight >= 0):
+            raise InputError(f"ngram_weight={self.ngram_weight} must be a number >= 0")
 
     def solver_config(self) -> SolverConfig:
         return SolverConfig(seed=self.seed, time_limit=self.time_limit, options=self.options)
@@ -112,9 +121,13 @@ def make_plan(predictor: Predictor, config: PlanConfig, *, progress: bool = True
         )
     t0 = time.perf_counter()
     problems = layer_problems(predictor, e, config.beta)
+    term = None
+    if predictor.transitions is not None and config.ngram_weight > 0:
+        term = NgramTerm(predictor.transitions, config.ngram_order, config.ngram_weight)
     placements = solve_model(
-        problems, config.method, config.solver_config(), jobs=config.jobs, progress=progress
-    )
+        problems, config.method, config.solver_config(), jobs=config.jobs, progress=progress,
+        ngram_term=term,
+    )  # fmt: skip
     tables = [vocabulary_table(predictor, p, q) for p, q in zip(problems, placements, strict=True)]
     expert_to_device = np.stack([q.expert_to_device for q in placements])
     ngram_dev = ngram_conf = None

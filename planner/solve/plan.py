@@ -1,9 +1,10 @@
 """Solving every layer of a model, and the Plan artifact that holds the result.
 
 :func:`solve_model` runs one solver over a list of :class:`LayerProblem` (one per MoE layer),
-in worker processes when ``jobs > 1``. Layer l runs with its own seed
-:func:`layer_seed` ``(seed, l)``, so the result does not depend on the job count or on the
-order in which layers finish.
+in worker processes when ``jobs > 1``, each layer on its own or, with the n-gram term
+(:mod:`planner.solve.ngram_term`), in order within fixed runs of layers. Layer l runs with
+its own seed :func:`layer_seed` ``(seed, l)``, so the result does not depend on the job
+count or on the order in which layers finish.
 
 :class:`Plan` is the on-disk result: expert placement per layer, a vocabulary-wide token
 table per layer with confidences, optional n-gram tables, the solver reports, and the
@@ -33,6 +34,7 @@ import numpy as np
 
 from planner._io import atomic_path
 from planner.errors import InputError, MismatchError, SchemaError
+from planner.solve.ngram_term import NgramTerm, restrict
 from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig
 from planner.solve.registry import get_solver
 
@@ -59,6 +61,7 @@ def solve_model(
     *,
     jobs: int = 1,
     progress: bool = True,
+    ngram_term: NgramTerm | None = None,
 ) -> list[LayerPlacement]:
     """Solve every layer with ``method``; returns placements in layer order.
 
@@ -68,27 +71,56 @@ def solve_model(
         jobs: worker processes (spawned, so this is safe from threads and notebooks);
             1 solves in this process.
         progress: show a progress bar on stderr.
+        ngram_term: solve layers in order within runs, each layer's problem extended by
+            the n-gram context rows of its placed predecessors
+            (:mod:`planner.solve.ngram_term`); None solves every layer on its own.
     """
     get_solver(method)  # unknown method -> InputError before any work
     config = config if config is not None else SolverConfig()
     if jobs < 1:
         raise InputError(f"jobs={jobs} must be at least 1")
-    tasks = [
-        (p, method, config.with_seed(layer_seed(config.seed, i))) for i, p in enumerate(problems)
-    ]
-    results: list[LayerPlacement | None] = [None] * len(tasks)
-    with _progress(progress, len(tasks), method) as advance:
-        if jobs == 1 or len(tasks) <= 1:
-            for i, task in enumerate(tasks):
-                results[i] = _solve_one(task)
-                advance()
-        else:
-            ctx = mp.get_context("spawn")
-            with cf.ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=ctx) as pool:
-                futures = {pool.submit(_solve_one, task): i for i, task in enumerate(tasks)}
-                for future in cf.as_completed(futures):
-                    results[futures[future]] = future.result()
+    num_layers = len(problems)
+    if not num_layers:
+        return []
+    runs = [[i] for i in range(num_layers)] if ngram_term is None else ngram_term.runs(num_layers)
+    placed = np.zeros((num_layers, problems[0].num_experts), np.int64)
+    results: list[LayerPlacement | None] = [None] * num_layers
+
+    def task(run: list[int], pos: int) -> tuple[LayerProblem, str, SolverConfig]:
+        layer, problem = run[pos], problems[run[pos]]
+        if ngram_term is not None:
+            problem = ngram_term.extend(problem, layer, placed, run[0])
+        return problem, method, config.with_seed(layer_seed(config.seed, layer))
+
+    def record(layer: int, solved: LayerProblem, placement: LayerPlacement) -> None:
+        placement = restrict(problems[layer], solved, placement)
+        results[layer] = placement
+        placed[layer] = placement.expert_to_device
+
+    with _progress(progress, num_layers, method) as advance:
+        if jobs == 1 or num_layers == 1:
+            for run in runs:
+                for pos, layer in enumerate(run):
+                    args = task(run, pos)
+                    record(layer, args[0], _solve_one(args))
                     advance()
+        else:
+            # Every run has one layer in flight at most; a finished layer submits the next.
+            ctx = mp.get_context("spawn")
+            with cf.ProcessPoolExecutor(max_workers=min(jobs, len(runs)), mp_context=ctx) as pool:
+                pending = {}
+                for r, run in enumerate(runs):
+                    args = task(run, 0)
+                    pending[pool.submit(_solve_one, args)] = (r, 0, args[0])
+                while pending:
+                    done, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+                    for future in done:
+                        r, pos, solved = pending.pop(future)
+                        record(runs[r][pos], solved, future.result())
+                        advance()
+                        if pos + 1 < len(runs[r]):
+                            args = task(runs[r], pos + 1)
+                            pending[pool.submit(_solve_one, args)] = (r, pos + 1, args[0])
     return [r for r in results if r is not None]
 
 

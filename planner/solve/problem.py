@@ -23,6 +23,12 @@ hosts expert k. The solvers maximise the local activations
 - ``balance="penalty"``: no hard cap; the objective is the paper's θ-weighted one, written as
   a maximisation: ``(1 - θ) * local - θ * sum_d |load_d - sum(a) / E|``.
 
+A row with ``a_j = 0`` and positive affinity is *load-free*: its local activations count in
+the objective, but it puts no load on its device, so every solver sends it where most of
+its activations are local. The n-gram term (:mod:`planner.solve.ngram_term`) adds one such
+row per n-gram context; a solver needs nothing special for them, except that anything
+ranking rows by weight uses :attr:`LayerProblem.row_mass` rather than ``a_j``.
+
 Glossary: *LAR* (local activation rate) = local activations / all activations; *token
 imbalance* = max device token load / mean device token load.
 """
@@ -218,6 +224,18 @@ class LayerProblem:
         """[J] float64 routed activations of each token (row sums of W)."""
         return np.asarray(self.affinity.sum(axis=1)).ravel()
 
+    @functools.cached_property
+    def row_mass(self) -> np.ndarray:
+        """[J] float64 weight of each row in token occurrences: activations / (activations per occurrence).
+
+        For a token row this is ``a_j`` (a token routes to k experts per occurrence); for a
+        load-free row (``a_j = 0``) it is the occurrences its activations stand for. Solvers
+        rank and weight rows by it, and balance loads by ``a_j``.
+        """
+        total_act, total_freq = self.total_activations, self.total_freq
+        per_occurrence = total_act / total_freq if total_freq > 0 and total_act > 0 else 1.0
+        return self.token_activations / per_occurrence
+
     def select_tokens(self, rows: np.ndarray) -> LayerProblem:
         """The same problem restricted to token rows ``rows`` (capacity follows their load)."""
         rows = np.asarray(rows, dtype=np.int64)
@@ -228,9 +246,13 @@ class LayerProblem:
             token_ids=None if self.token_ids is None else self.token_ids[rows],
         )
 
-    def most_frequent_tokens(self, count: int) -> np.ndarray:
-        """[min(count, J)] sorted row ids of the ``count`` most frequent tokens."""
-        order = np.argsort(-self.token_freq, kind="stable")
+    def heaviest_rows(self, count: int) -> np.ndarray:
+        """[min(count, J)] sorted row ids of the ``count`` rows of largest :attr:`row_mass`.
+
+        For token rows, the most frequent tokens; load-free rows rank by the occurrences
+        they stand for.
+        """
+        order = np.argsort(-self.row_mass, kind="stable")
         return np.sort(order[: max(0, int(count))])
 
     def with_options(self, **changes: Any) -> LayerProblem:

@@ -12,9 +12,10 @@ from planner.predict.ngram import (
     contiguous_placement,
     evaluate_ngram_device_table,
     fit_ngram_device_table,
+    ngram_context_affinity,
     predict_devices,
 )
-from planner.trace import TraceMeta
+from planner.trace import TraceBatch, TraceMeta
 from tests.predict.conftest import chain_batch
 
 META = TraceMeta("test/ngram", num_layers=5, num_experts=8, top_k=2, vocab_size=20)
@@ -132,3 +133,37 @@ def test_orders_one_to_three_and_bad_arguments():
         fit_ngram_device_table(t, e2d, 3)
     with pytest.raises(MismatchError):
         fit_ngram_device_table(t, e2d[:4], 2)
+
+
+@pytest.mark.parametrize("target", ["routed", "top1"])
+@pytest.mark.parametrize("order", [1, 2])
+def test_context_affinity_summed_per_device_is_the_tables_joint_count(target, order):
+    """Row c of the context affinity, summed over each device's experts, is what the table
+    fit counts for context c: its argmax is the table's device, max / sum its confidence."""
+    rng = np.random.default_rng(3)
+    experts = np.stack([rng.permutation(8)[:2] for _ in range(300 * 5)]).reshape(300, 5, 2)
+    batch = TraceBatch.from_arrays(
+        np.repeat(np.arange(30), 10), np.tile(np.arange(10), 30), rng.integers(0, 20, 300),
+        experts, np.ones((300, 5, 2)),
+    )  # fmt: skip
+    t = transitions_of(batch)
+    e2d = np.stack([rng.permutation(np.arange(8) % 4) for _ in range(5)])
+    table = fit_ngram_device_table(t, e2d, 4, order=order, target=target)
+    for layer in range(5):
+        rows = ngram_context_affinity(t, e2d, layer, 4, order=order, target=target)
+        assert rows.shape == (4**order, 8)
+        if layer < order:
+            assert not rows.any()
+            continue
+        # every tuple counted once: all k routed experts (routed) or the top-1 (top1)
+        assert rows.sum() == 300 * (2 if target == "routed" else 1)
+        per_device = rows @ np.eye(4)[e2d[layer]]
+        seen = per_device.sum(axis=1) > 0
+        best = per_device[seen].max(axis=1)
+        np.testing.assert_allclose(
+            table.confidence[layer, seen], best / per_device[seen].sum(axis=1), atol=1e-3
+        )
+        got = per_device[seen, table.to_device[layer, seen]]
+        np.testing.assert_array_equal(got, best)  # the table's device is an argmax
+    with pytest.raises(InputError, match="order"):
+        ngram_context_affinity(t, e2d, 2, 4, order=4)

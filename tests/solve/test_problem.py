@@ -91,7 +91,7 @@ def test_validate_catches_broken_placements() -> None:
 
 def test_select_tokens_scales_the_capacity() -> None:
     problem = LayerProblem(W, A, 2, token_ids=np.array([10, 11, 12]))
-    sub = problem.select_tokens(problem.most_frequent_tokens(2))
+    sub = problem.select_tokens(problem.heaviest_rows(2))
     assert sub.num_tokens == 2 and sub.token_ids.tolist() == [10, 11]
     assert sub.capacity == pytest.approx(1.1 * 3 / 2)
 

@@ -1,0 +1,134 @@
+"""The n-gram term: solve layers in order so that each placement also serves the n-gram table.
+
+At serving time Algorithm 2 (paper 000 §4) reads two tables per layer: the token table (a
+token's device, what every solver optimises) and the n-gram table (the device predicted
+from the devices of the token's top-1 experts at layers l-n .. l-1). Where tokens are rare,
+the n-gram table makes most of the choices. FLAME-MoE's held-out tokens are mostly unseen
+in fitting: at EP 16 the token table gets 1/16 of activations local and the n-gram table
+decides. How well the n-gram table predicts depends on how layer l's experts are split
+relative to the placements of layers l-n .. l-1. A solver that sees only layer l's token
+rows never sees that.
+
+The term: once layers l-n .. l-1 are placed, layer l's problem gets one extra *load-free*
+row per n-gram context c (a_c = 0, see :mod:`planner.solve.problem`). Row c holds the
+activations of layer l's experts by the fitting tokens in context c
+(:func:`planner.predict.ngram.ngram_context_affinity`), times ``weight``. For a routed
+statistic each fitting token's k activations count once in the context rows as in the token
+rows, so at weight 1 both weigh the same (a top-1 statistic counts the top-1 activation
+only, 1/k of the weight: measured on FLAME-MoE, scaling it up by k helped one case and hurt
+another). A load-free row goes to the device where most of
+its activations are local, which is exactly the n-gram table's prediction for c. So the
+extended problem's objective is the token table's local activations plus ``weight`` times
+the n-gram table's, both on the fitting data. Every solver gets the same extended problem.
+:func:`restrict` drops the rows from the answer and reports on the token rows.
+
+Solving in order takes away the parallelism over layers. The layers are therefore split into
+fixed runs of at most :data:`RUN_LAYERS` consecutive layers. Runs are solved in parallel
+with each other, and the layers of a run in order. The first n layers of every run but the
+first have no placed predecessors, so they are solved without the term. Runs depend on the
+layer count only, not on ``--jobs``, so neither does the plan.
+
+Measured by ``benchmarks/compare_traces.py`` (held-out balanced LAR; the numbers are in the
+README): on FLAME-MoE the term lifts CEO by 3-7% and the baselines by less. CEO's global
+search uses the combined objective; a local polish of an independent solution gains less.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import sparse
+
+from planner.errors import InputError
+from planner.predict.ngram import TARGETS, TopOneTransitions, ngram_context_affinity
+from planner.solve.common import device_gains, finish
+from planner.solve.problem import LayerPlacement, LayerProblem
+
+# Consecutive layers solved in order; runs of this length are solved in parallel.
+RUN_LAYERS = 16
+
+
+@dataclass(frozen=True, eq=False)
+class NgramTerm:
+    """The cross-layer n-gram term of :func:`planner.solve.plan.solve_model`.
+
+    Attributes:
+        transitions: the predictor's top-1 transition statistic.
+        order: n of the n-gram tables the plan will hold.
+        weight: factor on the context rows' activations; 1.0 weighs a context row like
+            the token rows it stands for (routed statistic).
+        target: the n-gram table's target (:data:`planner.predict.ngram.TARGETS`).
+    """
+
+    transitions: TopOneTransitions
+    order: int
+    weight: float = 1.0
+    target: str = "routed"
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.weight) and self.weight > 0):
+            raise InputError(f"n-gram weight {self.weight!r} must be a positive number")
+        if self.target not in TARGETS:
+            raise InputError(f"n-gram target {self.target!r} must be one of {', '.join(TARGETS)}")
+
+    def runs(self, num_layers: int) -> list[list[int]]:
+        """Layer ids split into ceil(L / RUN_LAYERS) runs of consecutive layers, near-equal."""
+        count = max(1, math.ceil(num_layers / RUN_LAYERS))
+        return [run.tolist() for run in np.array_split(np.arange(num_layers), count) if run.size]
+
+    def extend(
+        self, problem: LayerProblem, layer: int, expert_to_device: np.ndarray, run_start: int
+    ) -> LayerProblem:
+        """Layer ``layer``'s problem with the context rows appended (itself when it has none).
+
+        ``expert_to_device`` [L, N] must hold the final placements of layers l-n .. l-1;
+        layers whose context reaches before ``run_start`` get no rows.
+        """
+        if layer - self.order < run_start:
+            return problem
+        rows = ngram_context_affinity(
+            self.transitions, expert_to_device, layer, problem.ep_size, self.order, self.target
+        )
+        rows = rows[rows.sum(axis=1) > 0] * self.weight
+        if not rows.size:
+            return problem
+        return LayerProblem(
+            sparse.vstack([problem.affinity, sparse.csr_matrix(rows)], format="csr"),
+            np.concatenate([problem.token_freq, np.zeros(rows.shape[0])]),
+            problem.ep_size,
+            beta=problem.beta,
+            balance=problem.balance,
+            theta=problem.theta,
+            layer=problem.layer,
+        )
+
+
+def restrict(
+    problem: LayerProblem, extended: LayerProblem, placement: LayerPlacement
+) -> LayerPlacement:
+    """A placement of ``extended`` as a placement of ``problem`` (its first J rows).
+
+    The report (objective, LAR, imbalance) is recomputed on the token rows; ``info``
+    gains ``ngram_term``: the context rows and their local rate on the fitting data.
+    """
+    j = problem.num_tokens
+    if extended is problem:
+        return placement
+    t = placement.token_to_device
+    ctx = slice(j, extended.num_tokens)
+    gain = device_gains(extended.select_tokens(np.arange(j, extended.num_tokens)),
+                        placement.expert_to_device)  # fmt: skip
+    ctx_total = float(extended.token_activations[ctx].sum())
+    local = float(gain[np.arange(gain.shape[0]), t[ctx]].sum())
+    info = dict(placement.info)
+    info["ngram_term"] = {
+        "contexts": int(extended.num_tokens - j),
+        "local_rate": local / ctx_total if ctx_total > 0 else 0.0,
+    }
+    return finish(
+        problem, placement.method, placement.expert_to_device, seed=placement.seed,
+        started=time.perf_counter() - placement.seconds, token_to_device=t[:j], info=info,
+    )  # fmt: skip

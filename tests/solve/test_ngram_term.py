@@ -1,0 +1,104 @@
+"""The n-gram term: layers solved in order, each placement also chosen for its n-gram table."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from planner.cli.main import main
+from planner.errors import InputError
+from planner.predict.fit import FitConfig, fit_predictor
+from planner.predict.ngram import ngram_context_affinity
+from planner.solve import ngram_term
+from planner.solve.ngram_term import NgramTerm
+from planner.solve.pipeline import PlanConfig, layer_problems, make_plan
+from planner.trace.synth import SynthConfig, synthesize
+
+# Routing that follows the previous layer's experts (layer_correlation), which an n-gram
+# table can learn, plus token affinity.
+SYNTH = SynthConfig(
+    num_layers=4, num_experts=8, top_k=2, vocab_size=400, num_tokens=4000, num_requests=40,
+    affinity=0.5, layer_correlation=0.6, expert_zipf=0.0, num_domains=2, seed=11,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def predictor(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ngram_term")
+    return fit_predictor(synthesize(SYNTH, d / "trace"), FitConfig()).predictor
+
+
+def ngram_fit_rate(predictor, plan) -> float:
+    """Local share of the n-gram table's predictions on the fitting data, layers >= n."""
+    local = total = 0.0
+    for layer in range(plan.ngram_order, plan.expert_to_device.shape[0]):
+        rows = ngram_context_affinity(
+            predictor.transitions, plan.expert_to_device, layer, plan.ep_size, plan.ngram_order
+        )
+        per_device = rows @ np.eye(plan.ep_size)[plan.expert_to_device[layer]]
+        local += per_device.max(axis=1).sum()
+        total += per_device.sum()
+    return local / total
+
+
+def test_runs_are_fixed_contiguous_and_short():
+    term = NgramTerm.__new__(NgramTerm)  # runs() reads no field
+    assert [len(r) for r in term.runs(58)] == [15, 15, 14, 14]
+    assert term.runs(6) == [list(range(6))]
+    assert sum(term.runs(100), []) == list(range(100))
+    assert max(len(r) for r in term.runs(100)) <= ngram_term.RUN_LAYERS
+
+
+def test_extend_appends_load_free_context_rows(predictor):
+    problems = layer_problems(predictor, 4)
+    placed = np.zeros((4, 8), np.int64)
+    placed[0], placed[1] = np.arange(8) % 4, np.arange(8) // 2
+    term = NgramTerm(predictor.transitions, order=2, weight=0.5)
+    p = problems[2]
+    ext = term.extend(p, 2, placed, run_start=0)
+    rows = ngram_context_affinity(predictor.transitions, placed, 2, 4, 2)
+    rows = rows[rows.sum(axis=1) > 0]
+    assert ext.num_tokens == p.num_tokens + rows.shape[0] and rows.shape[0] <= 16
+    np.testing.assert_allclose(ext.affinity[p.num_tokens :].toarray(), 0.5 * rows)
+    assert (ext.token_freq[p.num_tokens :] == 0).all()
+    assert ext.capacity == pytest.approx(p.capacity)
+    # no full context inside the run: the problem itself
+    assert term.extend(p, 2, placed, run_start=1) is p
+    assert term.extend(problems[1], 1, placed, run_start=0) is problems[1]
+    with pytest.raises(InputError, match="weight"):
+        NgramTerm(predictor.transitions, order=2, weight=0.0)
+
+
+def test_term_raises_the_ngram_tables_fit_and_reports_on_token_rows(predictor):
+    alone = make_plan(predictor, PlanConfig("ceo", ep_size=4, ngram_weight=0), progress=False)
+    joint = make_plan(predictor, PlanConfig("ceo", ep_size=4), progress=False)
+    assert ngram_fit_rate(predictor, joint) > ngram_fit_rate(predictor, alone) + 0.01
+    for layer, report in enumerate(joint.reports):
+        assert ("ngram_term" in report["info"]) == (layer >= 2)
+        assert 0 < report["local_rate"] <= 1 and report["token_imbalance"] <= 1.1 + 1e-6
+    info = joint.reports[3]["info"]["ngram_term"]
+    assert 0 < info["contexts"] <= 16 and 0 < info["local_rate"] <= 1
+    assert joint.token_to_device.shape == alone.token_to_device.shape == (4, 400)
+    assert joint.config["ngram_weight"] == 1.0
+
+
+def test_plan_does_not_depend_on_jobs_with_several_runs(predictor, monkeypatch):
+    monkeypatch.setattr(ngram_term, "RUN_LAYERS", 2)  # runs [0, 1], [2, 3]
+    config = PlanConfig("kmeans", ep_size=4, ngram_order=1, seed=2)
+    a = make_plan(predictor, config, progress=False)
+    b = make_plan(predictor, PlanConfig(**(config.__dict__ | {"jobs": 2})), progress=False)
+    np.testing.assert_array_equal(a.expert_to_device, b.expert_to_device)
+    np.testing.assert_array_equal(a.token_to_device, b.token_to_device)
+    # layer 2 starts the second run: no placed predecessor, no term; layers 1 and 3 have one
+    assert ["ngram_term" in r["info"] for r in a.reports] == [False, True, False, True]
+
+
+def test_bad_weight_is_one_line_error(predictor, tmp_path, capsys):
+    with pytest.raises(InputError, match="ngram_weight"):
+        PlanConfig(ngram_weight=-1.0)
+    predictor.save(tmp_path / "pred")
+    args = ["solve", str(tmp_path / "pred"), "--ep", "4", "--out", str(tmp_path / "plan")]
+    assert main([*args, "--ngram-weight", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "ngram_weight" in err and "Traceback" not in err
+    assert not (tmp_path / "plan").exists()
