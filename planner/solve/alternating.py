@@ -101,12 +101,12 @@ def cluster_tokens(
     mass-weighted mean profile of their tokens. Returns token_to_device [J] int64.
     """
     w, freq, e = problem.affinity, problem.token_freq, problem.ep_size
-    mass = problem.row_mass
+    row_mass = problem.row_mass
     norms = np.sqrt(np.asarray(w.multiply(w).sum(axis=1)).ravel())
     unit = sparse.diags(np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0)) @ w
     seeds_from = problem.heaviest_rows(2048)
     pool = unit[seeds_from].toarray()
-    pool_w = mass[seeds_from] / max(mass[seeds_from].sum(), 1e-300)
+    pool_w = row_mass[seeds_from] / max(row_mass[seeds_from].sum(), 1e-300)
     # greedy k-means++: of a few distance-weighted draws, keep the one that covers most
     trials = 2 + int(np.log(e))
     chosen = [int(rng.choice(seeds_from.size, p=pool_w))]
@@ -125,11 +125,12 @@ def cluster_tokens(
     t = np.zeros(problem.num_tokens, dtype=np.int64)
     prices = None
     for _ in range(max(1, rounds)):
-        similarity = np.asarray(unit @ centroids.T) * mass[:, None]  # [J, E]
+        similarity = np.asarray(unit @ centroids.T) * row_mass[:, None]  # [J, E]
         result = assign_tokens(similarity, freq, problem.capacity, prices=prices, sweeps=4)
         t_new, prices = result.token_to_device, result.prices
         summed = (
-            sparse.csr_matrix((mass, (t_new, np.arange(t_new.size))), shape=(e, t_new.size)) @ unit
+            sparse.csr_matrix((row_mass, (t_new, np.arange(t_new.size))), shape=(e, t_new.size))
+            @ unit
         )
         centroids = np.asarray(summed.todense()) if sparse.issparse(summed) else np.asarray(summed)
         centroids /= np.maximum(np.linalg.norm(centroids, axis=1, keepdims=True), 1e-300)

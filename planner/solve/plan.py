@@ -98,7 +98,7 @@ def solve_model(
         placed[layer] = placement.expert_to_device
 
     with _progress(progress, num_layers, method) as advance:
-        if jobs == 1 or num_layers == 1:
+        if jobs == 1 or len(runs) == 1:  # one run: its layers can only go in order
             for run in runs:
                 for pos, layer in enumerate(run):
                     args = task(run, pos)

@@ -226,15 +226,17 @@ class LayerProblem:
 
     @functools.cached_property
     def row_mass(self) -> np.ndarray:
-        """[J] float64 weight of each row in token occurrences: activations / (activations per occurrence).
+        """[J] float64 weight of each row in token occurrences: activations / (k per occurrence).
 
-        For a token row this is ``a_j`` (a token routes to k experts per occurrence); for a
-        load-free row (``a_j = 0``) it is the occurrences its activations stand for. Solvers
-        rank and weight rows by it, and balance loads by ``a_j``.
+        k is the token rows' mean activations per occurrence. For a token row this is ``a_j``
+        (a token routes to k experts per occurrence); for a load-free row (``a_j = 0``) it is
+        the occurrences its activations stand for. Solvers rank and weight rows by it, and
+        balance loads by ``a_j``.
         """
-        total_act, total_freq = self.total_activations, self.total_freq
+        act, loaded = self.token_activations, self.token_freq > 0
+        total_act, total_freq = float(act[loaded].sum()), self.total_freq
         per_occurrence = total_act / total_freq if total_freq > 0 and total_act > 0 else 1.0
-        return self.token_activations / per_occurrence
+        return act / per_occurrence
 
     def select_tokens(self, rows: np.ndarray) -> LayerProblem:
         """The same problem restricted to token rows ``rows`` (capacity follows their load)."""

@@ -33,6 +33,8 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     token_to_device = np.where(lap % 2 == 0, pos, e - 1 - pos)
     gain = device_gains(problem, expert_to_device)
     token_to_device = rebalance_tokens(problem, token_to_device, gain, priority=-rank.astype(float))
+    free = problem.token_freq == 0  # load-free rows (n-gram contexts) go where they are local
+    token_to_device[free] = gain[free].argmax(axis=1)
     return finish(
         problem, "vanilla", expert_to_device, seed=config.seed, started=started,
         token_to_device=token_to_device,

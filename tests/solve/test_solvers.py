@@ -53,6 +53,28 @@ def test_same_seed_same_result(method: str) -> None:
 
 
 @pytest.mark.parametrize("method", METHODS)
+def test_load_free_rows_add_no_load_and_go_where_they_are_local(method: str) -> None:
+    """Rows with a_j = 0 (the n-gram term's contexts) on a problem of more than 2048 tokens:
+    valid placement, loads as without them, each such row on its most local device."""
+    from scipy import sparse
+
+    base = random_problem(2500, 8, 4, top_k=2, seed=6)
+    rng = np.random.default_rng(0)
+    extra = rng.random((16, 8)) * rng.random((16, 1)) * 50
+    problem = LayerProblem(
+        sparse.vstack([base.affinity, sparse.csr_matrix(extra)]),
+        np.concatenate([base.token_freq, np.zeros(16)]), 4,
+    )  # fmt: skip
+    assert problem.capacity == pytest.approx(base.capacity)
+    assert problem.row_mass[:2500] == pytest.approx(base.row_mass)
+    p = solve_layer(problem, method, config())
+    p.validate(problem)
+    per_device = extra @ np.eye(4)[p.expert_to_device]
+    got = per_device[np.arange(16), p.token_to_device[2500:]]
+    np.testing.assert_allclose(got, per_device.max(axis=1))
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_penalty_mode(method: str) -> None:
     problem = random_problem(80, 8, 4, top_k=2, seed=4, balance="penalty", theta=0.3)
     p = solve_layer(problem, method, config())
