@@ -10,7 +10,7 @@ LAR and CEO's ratio to the best baseline (METIS, k-means, alternating); the summ
 the minimum and mean ratio and the cases CEO loses. About 40 s per case on 2 cores.
 
     python benchmarks/compare_traces.py [--seeds 0,1,2] [--sources flame,example]
-        [--ngram top1,routed] [--out FILE]
+        [--ngram top1,routed] [--ngram-weight 0.5] [--out FILE]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from planner.evaluate.compare import compare_methods  # noqa: E402
 from planner.predict.fit import FitConfig, fit_predictor  # noqa: E402
 from planner.predict.split import split_trace  # noqa: E402
 from planner.profile.runner import ProfileConfig, profile_model  # noqa: E402
+from planner.solve.ngram_term import DEFAULT_WEIGHT  # noqa: E402
 from planner.solve.pipeline import PlanConfig  # noqa: E402
 from planner.trace import open_trace  # noqa: E402
 
@@ -55,14 +56,19 @@ def source_trace(name: str, work: Path) -> Path:
     return out
 
 
-def run_case(trace: Path, work: Path, seed: int, ngram: str, ep: int, jobs: int) -> dict:
+def run_case(
+    trace: Path, work: Path, seed: int, ngram: str, ep: int, jobs: int, ngram_weight: float
+) -> dict:
     held = work / f"{trace.stem}_held{seed}"
     if not held.exists():
         split_trace(trace, work / f"{trace.stem}_fit{seed}", held, 0.5, seed=seed)
     fit = FitConfig(holdout=0.5, seed=seed, ngram_routed=ngram == "routed")
     predictor = fit_predictor(trace, fit).predictor
     result = compare_methods(
-        predictor, open_trace(held), METHODS, PlanConfig(ep_size=ep, jobs=jobs)
+        predictor,
+        open_trace(held),
+        METHODS,
+        PlanConfig(ep_size=ep, jobs=jobs, ngram_weight=ngram_weight),
     )
     rows = {r["method"]: r for r in result["rows"]}
     best = max(BASELINES, key=lambda m: rows[m]["lar_balanced"])
@@ -86,6 +92,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ngram", default="top1,routed", help="n-gram statistics to fit with")
     ap.add_argument("--ep", default=None, help="EP sizes (default: per source)")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument(
+        "--ngram-weight", type=float, default=DEFAULT_WEIGHT, help="n-gram term (0: off)"
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     started = time.perf_counter()
@@ -100,7 +109,7 @@ def main(argv=None) -> int:
                     for ep in eps:
                         case = {
                             "source": source,
-                            **run_case(trace, work, seed, ngram, ep, args.jobs),
+                            **run_case(trace, work, seed, ngram, ep, args.jobs, args.ngram_weight),
                         }
                         cases.append(case)
                         print(
@@ -116,6 +125,7 @@ def main(argv=None) -> int:
         "benchmark": "compare_traces",
         "summary": {
             "cases": len(cases),
+            "ngram_weight": args.ngram_weight,
             "ceo_over_best_baseline_min": min(ratios),
             "ceo_over_best_baseline_mean": sum(ratios) / len(ratios),
             "ceo_losses": [

@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--ngram-weight",
         type=float,
-        default=1.0,
+        default=0.5,
         help="n-gram term of the whole-model solve (0: layers independent)",
     )
     args = ap.parse_args(argv)

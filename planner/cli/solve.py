@@ -12,6 +12,7 @@ from planner.errors import InputError
 from planner.evaluate import EvalConfig
 from planner.evaluate.compare import compare_methods
 from planner.predict.predictor import load_predictor
+from planner.solve.ngram_term import DEFAULT_WEIGHT
 from planner.solve.pipeline import PlanConfig, make_plan
 from planner.solve.registry import SOLVERS
 from planner.trace import open_trace
@@ -47,7 +48,7 @@ def solve(
         2, "--ngram-order", help="n of the n-gram device tables (1-3)."
     ),
     ngram_weight: float = typer.Option(
-        1.0,
+        DEFAULT_WEIGHT,
         "--ngram-weight",
         help="Weight of the n-gram term: layers solved in order, each placement also chosen "
         "for its n-gram table (0 = layers independent).",
@@ -97,7 +98,9 @@ def compare(
         None, "--time-limit", help="Seconds per layer (ILP needs one on big problems)."
     ),
     ngram_order: int = typer.Option(2, "--ngram-order"),
-    ngram_weight: float = typer.Option(1.0, "--ngram-weight", help="As in `moeplan solve`."),
+    ngram_weight: float = typer.Option(
+        DEFAULT_WEIGHT, "--ngram-weight", help="As in `moeplan solve`."
+    ),
     batch_tokens: int = typer.Option(
         4096, "--batch-tokens", help="Tokens per runtime batch for the balanced LAR."
     ),

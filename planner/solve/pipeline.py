@@ -29,7 +29,7 @@ from planner.errors import InputError
 from planner.predict.ngram import fit_ngram_device_table
 from planner.predict.predictor import Predictor
 from planner.solve.metrics import token_table
-from planner.solve.ngram_term import NgramTerm
+from planner.solve.ngram_term import DEFAULT_WEIGHT, NgramTerm
 from planner.solve.plan import Plan, solve_model
 from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig
 from planner.solve.registry import get_solver
@@ -65,7 +65,7 @@ class PlanConfig:
     time_limit: float | None = None
     ngram_order: int = 2
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
-    ngram_weight: float = 1.0
+    ngram_weight: float = DEFAULT_WEIGHT
 
     def __post_init__(self) -> None:
         get_solver(self.method)

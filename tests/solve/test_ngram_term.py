@@ -79,7 +79,7 @@ def test_term_raises_the_ngram_tables_fit_and_reports_on_token_rows(predictor):
     info = joint.reports[3]["info"]["ngram_term"]
     assert 0 < info["contexts"] <= 16 and 0 < info["local_rate"] <= 1
     assert joint.token_to_device.shape == alone.token_to_device.shape == (4, 400)
-    assert joint.config["ngram_weight"] == 1.0
+    assert joint.config["ngram_weight"] == ngram_term.DEFAULT_WEIGHT
 
 
 def test_plan_does_not_depend_on_jobs_with_several_runs(predictor, monkeypatch):
