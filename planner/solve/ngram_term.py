@@ -16,9 +16,8 @@ activations of layer l's experts by the fitting tokens in context c
 statistic each fitting token's k activations count once in the context rows as in the token
 rows, so at weight 1 both weigh the same (a top-1 statistic counts the top-1 activation
 only, 1/k of the weight: measured on FLAME-MoE, scaling it up by k helped one case and hurt
-another). A load-free row goes to the device where most of
-its activations are local, which is exactly the n-gram table's prediction for c. So the
-extended problem's objective is the token table's local activations plus ``weight`` times
+another). A load-free row goes to the device where most of its activations are local,
+which is exactly the n-gram table's prediction for c. So the extended problem's objective is the token table's local activations plus ``weight`` times
 the n-gram table's, both on the fitting data. Every solver gets the same extended problem.
 :func:`restrict` drops the rows from the answer and reports on the token rows.
 
@@ -129,10 +128,9 @@ def restrict(
     The report (objective, LAR, imbalance) is recomputed on the token rows; ``info``
     gains ``ngram_term``: the context rows and their local rate on the fitting data.
     """
-    j = problem.num_tokens
     if extended is problem:
         return placement
-    t = placement.token_to_device
+    j, t = problem.num_tokens, placement.token_to_device
     ctx = slice(j, extended.num_tokens)
     gain = device_gains(extended.select_tokens(np.arange(j, extended.num_tokens)),
                         placement.expert_to_device)  # fmt: skip
