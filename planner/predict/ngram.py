@@ -33,6 +33,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
+from scipy import sparse
 
 from planner.errors import InputError, MismatchError, SchemaError
 from planner.export.bundle import ngram_row_index
@@ -287,7 +288,7 @@ def ngram_context_affinity(
     order: int = 2,
     target: str = "routed",
 ) -> np.ndarray:
-    """[E**n, N] float64 activations of layer ``layer``'s experts per n-gram context.
+    """[E**n, N] activations of layer ``layer``'s experts per n-gram context (sparse CSR).
 
     Row c counts, over the fitting tokens whose top-1 experts at layers l-n .. l-1 sat on
     the devices of context c (the n-gram table's row c, same layout), the activations of
@@ -297,7 +298,9 @@ def ngram_context_affinity(
     ``sum_{k on d} row_c[k]``, and that maximum is what the table gets right on the fitting
     data; so these rows, appended to layer l's problem as load-free tokens, make a solver
     optimise the n-gram table along with the token table (see
-    :mod:`planner.solve.ngram_term`). Layers l < n have no context: all zeros.
+    :mod:`planner.solve.ngram_term`). Layers l < n have no context: all zeros. Sparse,
+    because E**n x N can be large (EP 64, n = 3, 256 experts: 67M entries) while only the
+    contexts seen in fitting have entries.
     """
     if order not in range(1, MAX_ORDER + 1):
         raise InputError(f"ngram order {order!r} must be 1, 2 or 3")
@@ -306,12 +309,15 @@ def ngram_context_affinity(
     n_experts = transitions.num_experts
     _check_ep(n_experts, ep_size)
     e2d = _check_placement(expert_to_device, transitions.num_layers, n_experts, ep_size)
-    rows = np.zeros((ep_size**order, n_experts))
+    shape = (ep_size**order, n_experts)
     tuples, counts = _target_tuples(transitions, layer, target)
     if layer < order or tuples.shape[0] == 0:
-        return rows
+        return sparse.csr_array(shape, dtype=np.float64)
     ctx = _context_rows(tuples, e2d, layer, order, ep_size)
-    np.add.at(rows, (ctx, tuples[:, 3].astype(np.int64)), counts.astype(np.float64))
+    rows = sparse.coo_array(
+        (counts.astype(np.float64), (ctx, tuples[:, 3].astype(np.int64))), shape=shape
+    ).tocsr()
+    rows.sum_duplicates()
     return rows
 
 

@@ -106,8 +106,8 @@ class NgramTerm:
         rows = ngram_context_affinity(
             self.transitions, expert_to_device, layer, problem.ep_size, self.order, self.target
         )
-        rows = rows[rows.sum(axis=1) > 0] * self.weight
-        if not rows.size:
+        rows = rows[np.flatnonzero(rows.sum(axis=1) > 0)] * self.weight
+        if not rows.shape[0]:
             return problem
         return LayerProblem(
             sparse.vstack([problem.affinity, sparse.csr_matrix(rows)], format="csr"),

@@ -150,7 +150,7 @@ def test_context_affinity_summed_per_device_is_the_tables_joint_count(target, or
     e2d = np.stack([rng.permutation(np.arange(8) % 4) for _ in range(5)])
     table = fit_ngram_device_table(t, e2d, 4, order=order, target=target)
     for layer in range(5):
-        rows = ngram_context_affinity(t, e2d, layer, 4, order=order, target=target)
+        rows = ngram_context_affinity(t, e2d, layer, 4, order=order, target=target).toarray()
         assert rows.shape == (4**order, 8)
         if layer < order:
             assert not rows.any()

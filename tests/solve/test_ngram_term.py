@@ -35,7 +35,7 @@ def ngram_fit_rate(predictor, plan) -> float:
         rows = ngram_context_affinity(
             predictor.transitions, plan.expert_to_device, layer, plan.ep_size, plan.ngram_order
         )
-        per_device = rows @ np.eye(plan.ep_size)[plan.expert_to_device[layer]]
+        per_device = rows.toarray() @ np.eye(plan.ep_size)[plan.expert_to_device[layer]]
         local += per_device.max(axis=1).sum()
         total += per_device.sum()
     return local / total
@@ -56,7 +56,7 @@ def test_extend_appends_load_free_context_rows(predictor):
     term = NgramTerm(predictor.transitions, order=2, weight=0.5)
     p = problems[2]
     ext = term.extend(p, 2, placed, run_start=0)
-    rows = ngram_context_affinity(predictor.transitions, placed, 2, 4, 2)
+    rows = ngram_context_affinity(predictor.transitions, placed, 2, 4, 2).toarray()
     rows = rows[rows.sum(axis=1) > 0]
     assert ext.num_tokens == p.num_tokens + rows.shape[0] and rows.shape[0] <= 16
     np.testing.assert_allclose(ext.affinity[p.num_tokens :].toarray(), 0.5 * rows)
