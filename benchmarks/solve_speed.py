@@ -33,29 +33,17 @@ import numpy as np
 from _common import peak_rss_mib  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from scipy import sparse
 
+from planner.solve.ngram_term import DEFAULT_WEIGHT
+
 TARGET_LAYER_S = 10.0
 TARGET_MODEL_S = 300.0
 METHODS = ("ceo", "ceo:paper", "metis", "kmeans", "alternating", "vanilla")
 
 
-def synth_layer(occurrences: int, seed: int, layer: int = 0):
+def synth_layer(occurrences: int, seed: int):
     """(token ids [J], W [J, 256] routing counts, a [J]) of one DeepSeek-V3-shaped layer."""
-    from planner.trace.synth import SynthGenerator, preset_config
-
-    config = preset_config(
-        "deepseek-v3", num_layers=1, num_tokens=occurrences,
-        num_requests=max(1, occurrences // 2000), seed=seed * 1000 + layer,
-    )  # fmt: skip
-    k, n = config.top_k, config.num_experts
-    tokens, experts = [], []
-    for batch in SynthGenerator(config).batches():
-        tokens.append(np.repeat(batch.token_id.astype(np.int64), k))
-        experts.append(batch.experts[:, 0, :].astype(np.int64).ravel())
-    tok, exp = np.concatenate(tokens), np.concatenate(experts)
-    ids, rows = np.unique(tok, return_inverse=True)
-    w = sparse.csr_matrix((np.ones(tok.size), (rows, exp)), shape=(ids.size, n))
-    w.sum_duplicates()
-    return ids, w, np.asarray(w.sum(axis=1)).ravel() / k
+    layers, _ = synth_model(1, occurrences, seed * 1000, transitions=False)
+    return layers[0]
 
 
 def _child(method: str, instance: str, ep: int, seed: int, queue) -> None:
@@ -100,9 +88,10 @@ def _print_row(r: dict) -> None:
     )
 
 
-def synth_model(layers: int, occurrences: int, seed: int):
-    """Per-layer (token ids, W, a) and the top-1 transition statistic of a DeepSeek-V3-shaped
-    model of ``layers`` layers (the n-gram term reads the transitions)."""
+def synth_model(layers: int, occurrences: int, seed: int, transitions: bool = True):
+    """Per-layer (token ids, W, a) and the top-1 transition statistic (None without
+    ``transitions``) of a DeepSeek-V3-shaped model of ``layers`` layers (the n-gram term
+    reads the transitions)."""
     from planner.predict.ngram import TransitionAccumulator
     from planner.trace.synth import SynthGenerator, preset_config
 
@@ -111,10 +100,11 @@ def synth_model(layers: int, occurrences: int, seed: int):
         num_requests=max(1, occurrences // 2000), seed=seed,
     )  # fmt: skip
     k, n = config.top_k, config.num_experts
-    acc = TransitionAccumulator(layers, n)
+    acc = TransitionAccumulator(layers, n) if transitions else None
     tokens, experts = [], []
     for batch in SynthGenerator(config).batches():
-        acc.add(batch.experts)
+        if acc is not None:
+            acc.add(batch.experts)
         tokens.append(batch.token_id.astype(np.int64))
         experts.append(batch.experts.astype(np.int16))
     tok, exp = np.concatenate(tokens), np.concatenate(experts)
@@ -127,7 +117,7 @@ def synth_model(layers: int, occurrences: int, seed: int):
         )
         w.sum_duplicates()
         layer_data.append((ids, w, np.asarray(w.sum(axis=1)).ravel() / k))
-    return layer_data, acc.result()
+    return layer_data, None if acc is None else acc.result()
 
 
 def whole_model(
@@ -180,7 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--ngram-weight",
         type=float,
-        default=0.5,
+        default=DEFAULT_WEIGHT,
         help="n-gram term of the whole-model solve (0: layers independent)",
     )
     args = ap.parse_args(argv)

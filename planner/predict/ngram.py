@@ -243,14 +243,8 @@ def fit_ngram_device_table(
     Returns the table; rows whose context was never seen, and every row of layers l < n,
     predict the layer's most common top-1 device with confidence 0.
     """
-    if order not in range(1, MAX_ORDER + 1):
-        raise InputError(f"ngram order {order!r} must be 1, 2 or 3")
-    if target not in TARGETS:
-        raise InputError(f"n-gram target {target!r} must be one of {', '.join(TARGETS)}")
-    n_experts = transitions.num_experts
-    _check_ep(n_experts, ep_size)
+    e2d = _check_table_args(transitions, expert_to_device, ep_size, order, target)
     big_l = transitions.num_layers
-    e2d = _check_placement(expert_to_device, big_l, n_experts, ep_size)
     rows_per_layer = ep_size**order
     to_device = np.zeros((big_l, rows_per_layer), np.int16)
     confidence = np.zeros((big_l, rows_per_layer), np.float16)
@@ -302,14 +296,8 @@ def ngram_context_affinity(
     because E**n x N can be large (EP 64, n = 3, 256 experts: 67M entries) while only the
     contexts seen in fitting have entries.
     """
-    if order not in range(1, MAX_ORDER + 1):
-        raise InputError(f"ngram order {order!r} must be 1, 2 or 3")
-    if target not in TARGETS:
-        raise InputError(f"n-gram target {target!r} must be one of {', '.join(TARGETS)}")
-    n_experts = transitions.num_experts
-    _check_ep(n_experts, ep_size)
-    e2d = _check_placement(expert_to_device, transitions.num_layers, n_experts, ep_size)
-    shape = (ep_size**order, n_experts)
+    e2d = _check_table_args(transitions, expert_to_device, ep_size, order, target)
+    shape = (ep_size**order, transitions.num_experts)
     tuples, counts = _target_tuples(transitions, layer, target)
     if layer < order or tuples.shape[0] == 0:
         return sparse.csr_array(shape, dtype=np.float64)
@@ -319,6 +307,24 @@ def ngram_context_affinity(
     ).tocsr()
     rows.sum_duplicates()
     return rows
+
+
+def _check_table_args(
+    transitions: TopOneTransitions,
+    expert_to_device: np.ndarray,
+    ep_size: int,
+    order: int,
+    target: str,
+) -> np.ndarray:
+    """Validate the arguments shared by the table fit and the context affinity; -> [L, N] int64."""
+    if order not in range(1, MAX_ORDER + 1):
+        raise InputError(f"ngram order {order!r} must be 1, 2 or 3")
+    if target not in TARGETS:
+        raise InputError(f"n-gram target {target!r} must be one of {', '.join(TARGETS)}")
+    _check_ep(transitions.num_experts, ep_size)
+    return _check_placement(
+        expert_to_device, transitions.num_layers, transitions.num_experts, ep_size
+    )
 
 
 def _target_tuples(

@@ -305,11 +305,8 @@ class _Scorer:
     ):
         # the heaviest token rows, and as many heaviest load-free rows (n-gram contexts),
         # so that neither kind crowds the other out of the scoring set
-        free = problem.token_freq == 0
-        keep = np.union1d(
-            _heaviest(problem.row_mass, ~free, num_tokens),
-            _heaviest(problem.row_mass, free, num_tokens),
-        )
+        free, count = problem.token_freq == 0, max(1, num_tokens)
+        keep = np.union1d(problem.heaviest_rows(count, ~free), problem.heaviest_rows(count, free))
         self.problem = problem if keep.size == problem.num_tokens else problem.select_tokens(keep)
         self.sweeps = sweeps
         self.local_search = local_search
@@ -331,12 +328,6 @@ class _Scorer:
             )  # fmt: skip
             gain = device_gains(sub, x)
         return x, objective(sub, gain, t)
-
-
-def _heaviest(mass: np.ndarray, among: np.ndarray, count: int) -> np.ndarray:
-    """Ids of the ``count`` rows of largest ``mass`` among the rows where ``among`` holds."""
-    ids = np.flatnonzero(among)
-    return ids[np.argsort(-mass[ids], kind="stable")[: max(1, count)]]
 
 
 def _earliest(a: float | None, b: float | None) -> float | None:

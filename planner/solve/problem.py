@@ -248,13 +248,14 @@ class LayerProblem:
             token_ids=None if self.token_ids is None else self.token_ids[rows],
         )
 
-    def heaviest_rows(self, count: int) -> np.ndarray:
-        """[min(count, J)] sorted row ids of the ``count`` rows of largest :attr:`row_mass`.
+    def heaviest_rows(self, count: int, among: np.ndarray | None = None) -> np.ndarray:
+        """Sorted row ids of the ``count`` rows of largest :attr:`row_mass` (of ``among``).
 
         For token rows, the most frequent tokens; load-free rows rank by the occurrences
-        they stand for.
+        they stand for. ``among``: optional [J] bool mask of the rows to choose from.
         """
-        order = np.argsort(-self.row_mass, kind="stable")
+        ids = np.arange(self.num_tokens) if among is None else np.flatnonzero(among)
+        order = ids[np.argsort(-self.row_mass[ids], kind="stable")]
         return np.sort(order[: max(0, int(count))])
 
     def with_options(self, **changes: Any) -> LayerProblem:
