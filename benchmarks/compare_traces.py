@@ -10,12 +10,16 @@ LAR and CEO's ratio to the best baseline (METIS, k-means, alternating); the summ
 the minimum and mean ratio and the cases CEO loses. About 40 s per case on 2 cores.
 
     python benchmarks/compare_traces.py [--seeds 0,1,2] [--sources flame,example]
-        [--ngram top1,routed] [--ngram-weight 0.5] [--out FILE]
+        [--ngram top1,routed] [--ngram-weight 0.5] [--ceo-options JSON] [--out FILE]
+
+``--ceo-options '{"batch_aware": false}'`` measures a CEO switch's effect (the same cases,
+with and without it).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -57,7 +61,14 @@ def source_trace(name: str, work: Path) -> Path:
 
 
 def run_case(
-    trace: Path, work: Path, seed: int, ngram: str, ep: int, jobs: int, ngram_weight: float
+    trace: Path,
+    work: Path,
+    seed: int,
+    ngram: str,
+    ep: int,
+    jobs: int,
+    ngram_weight: float,
+    ceo_options: dict,
 ) -> dict:
     held = work / f"{trace.stem}_held{seed}"
     if not held.exists():
@@ -68,7 +79,9 @@ def run_case(
         predictor,
         open_trace(held),
         METHODS,
-        PlanConfig(ep_size=ep, jobs=jobs, ngram_weight=ngram_weight),
+        PlanConfig(
+            ep_size=ep, jobs=jobs, ngram_weight=ngram_weight, options={"ceo": ceo_options}
+        ),
     )
     rows = {r["method"]: r for r in result["rows"]}
     best = max(BASELINES, key=lambda m: rows[m]["lar_balanced"])
@@ -95,6 +108,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--ngram-weight", type=float, default=DEFAULT_WEIGHT, help="n-gram term (0: off)"
     )
+    ap.add_argument("--ceo-options", type=json.loads, default={}, help="CEO options (JSON)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     started = time.perf_counter()
@@ -109,7 +123,10 @@ def main(argv=None) -> int:
                     for ep in eps:
                         case = {
                             "source": source,
-                            **run_case(trace, work, seed, ngram, ep, args.jobs, args.ngram_weight),
+                            **run_case(
+                                trace, work, seed, ngram, ep, args.jobs, args.ngram_weight,
+                                args.ceo_options,
+                            ),
                         }
                         cases.append(case)
                         print(
@@ -126,6 +143,7 @@ def main(argv=None) -> int:
         "summary": {
             "cases": len(cases),
             "ngram_weight": args.ngram_weight,
+            "ceo_options": args.ceo_options,
             "ceo_over_best_baseline_min": min(ratios),
             "ceo_over_best_baseline_mean": sum(ratios) / len(ratios),
             "ceo_losses": [

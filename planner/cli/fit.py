@@ -63,6 +63,9 @@ def fit(
         help="Keep every routed expert in the n-gram statistics (better n-gram tables, slower fit).",
     ),
     batch_rows: int = typer.Option(65536, "--batch-rows", help="Trace rows per chunk."),
+    batch_tokens: int = typer.Option(
+        4096, "--batch-tokens", help="Tokens per runtime batch, for the fitting batches' mix."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
 ) -> None:
     """Fit token->expert, distribution-only (and neural) predictors; report held-out figures.
@@ -90,6 +93,7 @@ def fit(
         ngram_order=ngram_order,
         ngram_routed=ngram_routed,
         batch_rows=batch_rows,
+        batch_tokens=batch_tokens,
         counts=CountsSelection(model, _csv(domain), num_experts, top_k, vocab_size),
         eval_domains=_csv(eval_domain),
         progress=not as_json,

@@ -1,9 +1,10 @@
 """``moeplan fit`` as a library call: stream routing data, fit every predictor, report held-out.
 
 Traces are read twice at most, in chunks: one pass accumulates the fitting statistics
-(token-expert counts, top-1 transitions, unknown-token load) over the fitting requests;
-with a hold-out, a second pass scores the held-out requests. Memory is bounded by the
-distinct (layer, token, expert) triples, not by the trace's length.
+(token-expert counts, top-1 transitions, unknown-token load, the token mix of the runtime
+batches) over the fitting requests; with a hold-out, a second pass scores the held-out
+requests. Memory is bounded by the distinct (layer, token, expert) triples, not by the
+trace's length.
 
 Counts tables are read whole (they are aggregates already) and split by binomial
 thinning, or evaluated across domains (see :mod:`planner.predict.split`).
@@ -21,6 +22,7 @@ import numpy as np
 
 from planner.errors import InputError
 from planner.predict.affinity import TokenExpertAffinity, load_embeddings
+from planner.predict.batches import BATCH_TOKENS, BatchMixAccumulator
 from planner.predict.counts import (
     CountsAccumulator,
     CountsSelection,
@@ -64,6 +66,8 @@ class FitConfig:
         ep_size, ngram_order: the indicative n-gram figure of the report uses the
             contiguous placement on ``ep_size`` devices.
         batch_rows: trace rows per chunk.
+        batch_tokens: tokens per runtime batch; the fitting rows in trace order are cut into
+            batches of this size (:mod:`planner.predict.batches`).
         counts: model / domain / shape selection for counts tables.
         eval_domains: counts only: fit on ``counts.domains``, report on these domains.
         progress: show progress bars on stderr.
@@ -81,6 +85,7 @@ class FitConfig:
     ngram_order: int = 2
     ngram_routed: bool = False
     batch_rows: int = DEFAULT_BATCH_ROWS
+    batch_tokens: int = BATCH_TOKENS
     counts: CountsSelection = field(default_factory=CountsSelection)
     eval_domains: tuple[str, ...] = ()
     progress: bool = False
@@ -99,6 +104,8 @@ def fit_predictor(path: str | Path, config: FitConfig = FitConfig()) -> FitResul
         check_fraction(config.holdout)
     if not isinstance(config.batch_rows, int) or config.batch_rows < 1:
         raise InputError(f"batch_rows={config.batch_rows!r} must be a positive integer")
+    if not isinstance(config.batch_tokens, int) or config.batch_tokens < 1:
+        raise InputError(f"batch_tokens={config.batch_tokens!r} must be a positive integer")
     if is_counts_table(path):
         return _fit_counts(path, config)
     if config.eval_domains or config.counts != CountsSelection():
@@ -141,6 +148,7 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
         split = RequestSplit.make(trace.request_ids(), config.holdout, config.seed)
     acc = CountsAccumulator(meta)
     transitions = TransitionAccumulator(meta.num_layers, meta.num_experts, config.ngram_routed)
+    batches = BatchMixAccumulator(meta.vocab_size, config.batch_tokens)
     unknown_load = np.zeros((meta.num_layers, meta.num_experts), np.int64)
     # Per-batch loads only for a moving average: the MLE is the counts' column sums.
     ema = config.distribution_momentum is not None
@@ -157,6 +165,7 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
             fit_tokens += len(batch)
             acc.add(batch.token_id, batch.experts)
             transitions.add(batch.experts)
+            batches.add(batch.token_id)
             if ema:
                 distribution.partial_fit(batch_load(batch.experts, meta.num_experts))
             unknown = batch.token_id < 0
@@ -198,7 +207,10 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
                 if len(held):
                     evaluator.add(held)
         report = {"split": split.summary(), **evaluator.report()}
-    predictor = Predictor(meta, affinity, distribution, trans, neural, fit_info, report)
+    mix = batches.result()
+    fit_info["batches"] = {"kept": mix.num_batches, "batch_tokens": mix.batch_tokens,
+                           "stride": mix.stride}  # fmt: skip
+    predictor = Predictor(meta, affinity, distribution, trans, neural, fit_info, report, mix)
     return FitResult(predictor, report)
 
 

@@ -9,6 +9,8 @@ Layout of a predictor directory (written atomically, all or nothing)::
     transitions.safetensors (previous top-1 experts, routed expert, rank) tuples per layer
                             (absent for counts tables)
     neural.safetensors      the neural predictor's weights (only with --neural)
+    batches.safetensors     token counts of the fitting trace's runtime batches (traces only;
+                            :mod:`planner.predict.batches`)
     report.json             the held-out report (only with --holdout / --eval-domain)
 
 Loading checks the format, version and every file's checksum, so a truncated or edited
@@ -28,6 +30,7 @@ from planner import __version__
 from planner._io import atomic_path, sha256_file
 from planner.errors import InputError, MismatchError, SchemaError
 from planner.predict.affinity import TokenExpertAffinity
+from planner.predict.batches import BatchMix
 from planner.predict.distribution import DistributionPredictor
 from planner.predict.neural import NeuralPredictor
 from planner.predict.ngram import TopOneTransitions
@@ -35,7 +38,10 @@ from planner.trace.schema import TraceMeta
 
 FORMAT = "moeplan-predictor"
 # 2: transitions hold every routed expert of layer l with its rank (was top-1 only).
-FORMAT_VERSION = 2
+# 3: optional batches.safetensors (the fitting batches' token mix); version 2 still loads,
+#    without it.
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (2, 3)
 MANIFEST = "predictor.json"
 REPORT = "report.json"
 
@@ -53,6 +59,7 @@ class Predictor:
         neural: fitted :class:`NeuralPredictor`, or None.
         fit_info: how it was fitted (input path, split, seed, sizes, timings).
         report: the held-out report, or None when nothing was held out.
+        batches: :class:`BatchMix` of the fitting trace, or None (counts tables, version 2).
     """
 
     meta: TraceMeta
@@ -62,6 +69,7 @@ class Predictor:
     neural: NeuralPredictor | None = None
     fit_info: dict = field(default_factory=dict)
     report: dict | None = None
+    batches: BatchMix | None = None
 
     def __post_init__(self) -> None:
         m = self.meta
@@ -78,6 +86,9 @@ class Predictor:
         t = self.transitions
         if t is not None and (t.num_layers != m.num_layers or t.num_experts != m.num_experts):
             raise MismatchError("transitions were counted on another model or shape")
+        b = self.batches
+        if b is not None and b.counts.shape[1] != m.vocab_size:
+            raise MismatchError("batch mix was counted over another vocabulary")
 
     @property
     def fingerprint(self) -> str:
@@ -109,6 +120,8 @@ class Predictor:
             tensors["transitions.safetensors"] = self.transitions.to_tensors()
         if self.neural is not None:
             tensors["neural.safetensors"] = self.neural.to_tensors()
+        if self.batches is not None:
+            tensors["batches.safetensors"] = self.batches.to_tensors()
         with atomic_path(path) as tmp:
             tmp.mkdir()
             files = {}
@@ -129,6 +142,7 @@ class Predictor:
                 },
                 "distribution": {"momentum": self.distribution.momentum},
                 "transitions": self.transitions is not None,
+                "batches": self.batches is not None,
                 "neural": self.neural.settings() if self.neural is not None else None,
                 "fit": self.fit_info,
                 "files": files,
@@ -153,7 +167,7 @@ class Predictor:
             raise SchemaError(f"{manifest_path}: not valid JSON ({e})") from None
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise SchemaError(f"{manifest_path}: format is not {FORMAT!r}")
-        if manifest.get("format_version") != FORMAT_VERSION:
+        if manifest.get("format_version") not in READABLE_VERSIONS:
             raise SchemaError(
                 f"{manifest_path}: format_version {manifest.get('format_version')!r} is not "
                 f"supported (expected {FORMAT_VERSION}); refit with this moeplan"
@@ -208,11 +222,17 @@ class Predictor:
             neural = NeuralPredictor.from_tensors(
                 tensors("neural.safetensors"), manifest["neural"], meta.vocab_size
             )
+        batches = None
+        if manifest.get("batches"):
+            if "batches.safetensors" not in files:
+                raise SchemaError(f"{manifest_path}: batches are declared but not listed")
+            batches = BatchMix.from_tensors(tensors("batches.safetensors"), meta.vocab_size)
         report = None
         if REPORT in files:
             report = json.loads((path / REPORT).read_text())
         return cls(
-            meta, affinity, distribution, transitions, neural, manifest.get("fit") or {}, report
+            meta, affinity, distribution, transitions, neural, manifest.get("fit") or {}, report,
+            batches,
         )
 
 

@@ -39,7 +39,14 @@ change has a switch, and ``benchmarks/solve_quality.py`` shows its effect:
   loop stops after ``iterations`` rounds, or restarts from the uniform distribution after
   ``patience`` rounds without a better sample (``restarts`` times at most);
 - ``polish``: the ``screen`` best distinct placements found are re-scored on all tokens and
-  the best ``candidates`` are polished on all tokens (exact expert moves, then swaps).
+  the best ``candidates`` are polished on all tokens (exact expert moves, then swaps);
+- ``batch_aware``: when the predictor recorded the fitting trace's runtime batches
+  (:mod:`planner.predict.batches`), every score is the objective net of what the runtime's
+  per-batch cap would take back (:func:`planner.solve.common.batch_overflow`). A placement
+  that puts each batch's experts on few devices is local on paper and loses at serving time
+  when batches are not a random mix (e.g. one domain at a time); the search then prefers
+  placements that let every batch use all devices. A candidate keeps its unpolished form
+  when the polish lowers this score. Without batches, or in penalty mode, it changes nothing.
 
 Time: ``time_budget`` seconds (soft, default 6.5) per layer: the search stops after
 ``search_share`` of it, the final polish at the budget; ``SolverConfig.time_limit`` is a
@@ -64,6 +71,7 @@ from scipy.optimize import linear_sum_assignment
 from planner.errors import InputError
 from planner.solve.common import (
     assign_for_problem,
+    batch_overflow,
     canonical_labels,
     check_options,
     device_gains,
@@ -94,6 +102,9 @@ DEFAULTS: dict[str, object] = {
     "search_swaps": True,  # the samples' local search also tries expert swaps
     "search_rounds": 8,  # local-search rounds per sample at most
     "polish": True,  # polish the best candidates on all tokens
+    # score placements net of what the runtime's per-batch cap takes back on the fitting
+    # batches (when the predictor recorded them; planner.solve.common.batch_overflow)
+    "batch_aware": True,
     # start P as (1 - w) onehot(balanced k-means of the expert profiles) + w uniform
     # (0 or None: uniform start, as in the paper)
     "warm_start": None,
@@ -289,9 +300,11 @@ def _cross_entropy_joint(
 class _Scorer:
     """Scores expert placements on the most frequent tokens (capacity scaled to their load).
 
-    ``__call__(x)`` -> (x', objective): with ``local_search`` the placement is first polished
+    ``__call__(x)`` -> (x', score): with ``local_search`` the placement is first polished
     (:func:`planner.solve.common.polish` on the scoring tokens), so the search runs over
-    local optima; otherwise x' = x and the objective is that of the capacity assignment.
+    local optima; otherwise x' = x and the score is that of the capacity assignment. The
+    score is the objective, net of the batch cap's take-back with ``batch_aware`` (then
+    x' is whichever of x and its polished form scores higher).
     """
 
     def __init__(
@@ -302,6 +315,7 @@ class _Scorer:
         local_search: bool,
         swaps: bool,
         rounds: int,
+        batch_aware: bool,
     ):
         # the heaviest token rows, and as many heaviest load-free rows (n-gram contexts),
         # so that neither kind crowds the other out of the scoring set
@@ -312,6 +326,7 @@ class _Scorer:
         self.local_search = local_search
         self.swaps = swaps
         self.rounds = rounds
+        self.batch_aware = batch_aware
         self.prices: np.ndarray | None = None
 
     def __call__(self, x: np.ndarray) -> tuple[np.ndarray, float]:
@@ -321,13 +336,22 @@ class _Scorer:
         if self.prices is None:
             self.prices = result.prices
         t = result.token_to_device
-        if self.local_search:
-            x, t, _ = polish(
-                sub, x, t, sweeps=self.sweeps, max_rounds=self.rounds, swaps=self.swaps,
-                exact=False,
-            )  # fmt: skip
-            gain = device_gains(sub, x)
-        return x, objective(sub, gain, t)
+        if not self.local_search:
+            return x, _score(sub, gain, t, self.batch_aware)
+        before = _score(sub, gain, t, self.batch_aware) if self.batch_aware else -np.inf
+        y, t, _ = polish(
+            sub, x, t, sweeps=self.sweeps, max_rounds=self.rounds, swaps=self.swaps,
+            exact=False,
+        )  # fmt: skip
+        after = _score(sub, device_gains(sub, y), t, self.batch_aware)
+        # the polish raises the objective; net of the batch cap it may not
+        return (y, after) if after >= before else (x, before)
+
+
+def _score(problem: LayerProblem, gain: np.ndarray, t: np.ndarray, batch_aware: bool) -> float:
+    """The objective, net of the runtime cap's take-back on the fitting batches if asked."""
+    score = objective(problem, gain, t)
+    return score - batch_overflow(problem, gain, t) if batch_aware else score
 
 
 def _earliest(a: float | None, b: float | None) -> float | None:
@@ -359,6 +383,7 @@ def _solve_improved(
         x = repair_expert_counts(p_ep.argmax(axis=1), p_ep.T, problem.experts_per_device)
         candidates, tokens = [x], [p_tk.argmax(axis=1)]
     # screen the distinct candidates on all tokens, then polish the best few
+    aware = bool(opts["batch_aware"])
     screened = []
     for x, t in zip(candidates, tokens, strict=True):
         gain = device_gains(problem, x)
@@ -366,31 +391,37 @@ def _solve_improved(
             t = assign_for_problem(problem, gain, sweeps=10).token_to_device
         else:
             t = rebalance_tokens(problem, t, gain, priority=gain[np.arange(t.size), t])
-        screened.append((objective(problem, gain, t), x, t))
+        screened.append((_score(problem, gain, t, aware), x, t))
         if not opts["polish"] or (polish_end is not None and time.perf_counter() > polish_end):
             break
     screened.sort(key=lambda item: -item[0])
     best, log = None, []
-    for obj_ce, x, t in screened[: max(1, int(opts["candidates"]))]:
-        rounds = 0
+    for score_ce, x, t in screened[: max(1, int(opts["candidates"]))]:
+        rounds, score = 0, score_ce
         if opts["polish"]:
             # cheap exact-expert rounds first, then rounds with swaps while time remains
-            x, t, rounds = polish(problem, x, t, deadline=polish_end, sweeps=10, swaps=False)
-            x, t, more = polish(problem, x, t, deadline=polish_end, sweeps=10, swaps=True)
+            y, u, rounds = polish(problem, x, t, deadline=polish_end, sweeps=10, swaps=False)
+            y, u, more = polish(problem, y, u, deadline=polish_end, sweeps=10, swaps=True)
             rounds += more
-        obj = objective(problem, device_gains(problem, x), t)
-        log.append({"objective_search": obj_ce, "objective_polished": obj, "polish_rounds": rounds})
-        if best is None or obj > best[0]:
-            best = (obj, x, t)
+            polished = _score(problem, device_gains(problem, y), u, aware)
+            # the polish raises the objective; net of the batch cap it may not
+            if polished >= score_ce:
+                x, t, score = y, u, polished
+        log.append({"score_search": score_ce, "score_final": score, "polish_rounds": rounds})
+        if best is None or score > best[0]:
+            best = (score, x, t)
         if polish_end is not None and time.perf_counter() > polish_end:
             break
     _, x, t = best
     # A last, fully converged token assignment for the final experts.
     gain = device_gains(problem, x)
     t_final = assign_for_problem(problem, gain).token_to_device
-    if objective(problem, gain, t_final) >= objective(problem, gain, t):
+    if _score(problem, gain, t_final, aware) >= _score(problem, gain, t, aware):
         t = t_final
-    flags = {k: opts[k] for k in ("assign_tokens", "local_search", "align_labels", "polish")}
+    flags = {
+        k: opts[k]
+        for k in ("assign_tokens", "local_search", "align_labels", "polish", "batch_aware")
+    }
     info = {
         "variant": "improved",
         **flags,
@@ -400,6 +431,8 @@ def _solve_improved(
         "search_cut_by_budget": cut,
         "candidates": log,
     }
+    if aware and problem.batch_freq is not None:
+        info["batch_overflow"] = batch_overflow(problem, device_gains(problem, x), t)
     return x, t, info
 
 
@@ -419,6 +452,7 @@ def _cross_entropy_experts(problem, opts, rng, num_samples, iterations, deadline
         bool(opts["local_search"]),
         bool(opts["search_swaps"]),
         int(opts["search_rounds"]),
+        bool(opts["batch_aware"]),
     )
     p_ep = np.full((n, e), 1.0 / e)
     if opts["warm_start"]:

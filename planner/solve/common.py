@@ -546,6 +546,39 @@ def token_imbalance(freq: np.ndarray, token_to_device: np.ndarray, ep_size: int)
     return float(loads.max() / mean) if mean > 0 else 1.0
 
 
+def batch_overflow(problem: LayerProblem, gain: np.ndarray, token_to_device: np.ndarray) -> float:
+    """Local activations the runtime's per-batch cap would take back (0 without batches).
+
+    In each fitting batch g (``problem.batch_freq``, :mod:`planner.predict.batches`) a device
+    keeps at most ``beta * S_g / E`` of the batch's occurrences (S_g over the problem's
+    rows), the most confident tokens (largest local share, :func:`token_confidence`) first,
+    as the runtime does. An evicted occurrence is counted as local at its token's mean rate
+    over the other devices. Penalty mode (no cap) and E = 1 lose nothing.
+    """
+    b = problem.batch_freq
+    e = problem.ep_size
+    if b is None or b.nnz == 0 or problem.balance != "cap" or e == 1:
+        return 0.0
+    t = np.asarray(token_to_device, dtype=np.int64)
+    act, freq = problem.token_activations, problem.token_freq
+    own = gain[np.arange(t.size), t]
+    conf = np.divide(own, act, out=np.zeros_like(own), where=act > 0)
+    loss_each = np.divide(
+        own - (act - own) / (e - 1), freq, out=np.zeros_like(own), where=freq > 0
+    ).clip(min=0.0)
+    coo = b.tocoo()
+    rows, batch, occ = coo.row, coo.col, coo.data
+    cap = problem.beta * np.asarray(b.sum(axis=0)).ravel() / e
+    key = batch.astype(np.int64) * e + t[rows]
+    order = np.lexsort((-conf[rows], key))
+    key, rows, occ, batch = key[order], rows[order], occ[order], batch[order]
+    csum = np.cumsum(occ)
+    start = np.searchsorted(key, key)  # first entry of each (batch, device) group
+    within = csum - (csum[start] - occ[start])
+    evicted = np.clip(within - cap[batch], 0.0, occ)
+    return float(evicted @ loss_each[rows])
+
+
 def token_confidence(
     problem: LayerProblem, gain: np.ndarray, token_to_device: np.ndarray
 ) -> np.ndarray:

@@ -109,6 +109,10 @@ class NgramTerm:
         rows = rows[np.flatnonzero(rows.sum(axis=1) > 0)] * self.weight
         if not rows.shape[0]:
             return problem
+        batch_freq = problem.batch_freq
+        if batch_freq is not None:
+            empty = sparse.csr_matrix((rows.shape[0], batch_freq.shape[1]))
+            batch_freq = sparse.vstack([batch_freq, empty], format="csr")
         return LayerProblem(
             sparse.vstack([problem.affinity, sparse.csr_matrix(rows)], format="csr"),
             np.concatenate([problem.token_freq, np.zeros(rows.shape[0])]),
@@ -117,6 +121,7 @@ class NgramTerm:
             balance=problem.balance,
             theta=problem.theta,
             layer=problem.layer,
+            batch_freq=batch_freq,
         )
 
 

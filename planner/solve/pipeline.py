@@ -85,10 +85,14 @@ class PlanConfig:
 def layer_problems(predictor: Predictor, ep_size: int, beta: float = 1.1) -> list[LayerProblem]:
     """One problem per MoE layer over the tokens seen in fitting."""
     problems = []
+    mix = predictor.batches
     for layer in range(predictor.meta.num_layers):
         ids, w, a = predictor.affinity.layer_problem_inputs(layer)
         problems.append(
-            LayerProblem(w, a, ep_size, beta=beta, token_ids=ids.astype(np.int64), layer=layer)
+            LayerProblem(
+                w, a, ep_size, beta=beta, token_ids=ids.astype(np.int64), layer=layer,
+                batch_freq=None if mix is None else mix.token_batch_freq(ids),
+            )  # fmt: skip
         )
     return problems
 

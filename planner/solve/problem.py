@@ -69,6 +69,10 @@ class LayerProblem:
         token_ids: optional [J] int64 vocabulary ids of the J rows (carried, never used by
             the solvers; lets a caller turn a placement into a vocabulary table).
         layer: optional MoE layer index (for messages and reports).
+        batch_freq: optional [J, G] sparse occurrences of each row's token in each of G
+            fitting batches (:mod:`planner.predict.batches`); rows of load-free items are
+            empty. Used to estimate what the runtime's per-batch cap takes back
+            (:func:`planner.solve.common.batch_overflow`).
 
     Example: 3 tokens, 4 experts, E = 2::
 
@@ -87,6 +91,7 @@ class LayerProblem:
     theta: float = 0.5
     token_ids: np.ndarray | None = None
     layer: int | None = None
+    batch_freq: sparse.csr_matrix | None = None
 
     def __post_init__(self) -> None:
         where = "" if self.layer is None else f" (layer {self.layer})"
@@ -151,6 +156,13 @@ class LayerProblem:
                     f"token_ids{where} has shape {ids.shape}, expected ({num_tokens},)"
                 )
             object.__setattr__(self, "token_ids", ids)
+        if self.batch_freq is not None:
+            b = sparse.csr_matrix(self.batch_freq, dtype=np.float64)
+            if b.shape[0] != num_tokens or (b.data.size and b.data.min() < 0):
+                raise InputError(
+                    f"batch_freq{where} must be [{num_tokens}, G] and >= 0, got shape {b.shape}"
+                )
+            object.__setattr__(self, "batch_freq", b)
         object.__setattr__(self, "affinity", w)
         object.__setattr__(self, "token_freq", freq)
         object.__setattr__(self, "ep_size", int(e))
@@ -246,6 +258,7 @@ class LayerProblem:
             affinity=self.affinity[rows],
             token_freq=self.token_freq[rows],
             token_ids=None if self.token_ids is None else self.token_ids[rows],
+            batch_freq=None if self.batch_freq is None else self.batch_freq[rows],
         )
 
     def heaviest_rows(self, count: int, among: np.ndarray | None = None) -> np.ndarray:

@@ -1,0 +1,134 @@
+"""Which tokens came together: the token mix of the fitting trace's runtime batches.
+
+At serving time every batch of B tokens (4096 in DESIGN.md's bounded-imbalance metric) is
+capped per device, the most confident tokens keeping their device. A plan balanced over the
+whole fitting trace can still overload the same device in every batch when batches are not
+a random mix of the traffic, e.g. a trace profiled prompt file by prompt file, one domain
+after another: each domain's tokens crowd onto the devices of its experts and the cap sends
+the overflow elsewhere. The fit therefore records the fitting rows in trace order, cut into
+batches of B tokens, as a sparse [G, V] count matrix; a solver can charge a placement for
+the activations the runtime cap would take back on these batches
+(:func:`planner.solve.common.batch_overflow`).
+
+Long traces keep at most ``MAX_BATCHES`` batches, evenly spaced over the trace (a stride
+that doubles whenever twice that many are held), so memory stays bounded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import sparse
+
+from planner.errors import SchemaError
+
+BATCH_TOKENS = 4096  # DESIGN.md: the runtime batch of the bounded-imbalance metric
+MAX_BATCHES = 64
+
+
+@dataclass(frozen=True)
+class BatchMix:
+    """Token counts per fitting batch.
+
+    Attributes:
+        counts: [G, V] sparse int64, occurrences of each token in each kept batch.
+        batch_tokens: B, the trace rows per batch (the last batch may be shorter).
+        stride: every ``stride``-th batch of the trace was kept.
+    """
+
+    counts: sparse.csr_array
+    batch_tokens: int
+    stride: int = 1
+
+    @property
+    def num_batches(self) -> int:
+        return int(self.counts.shape[0])
+
+    def token_batch_freq(self, token_ids: np.ndarray) -> sparse.csr_array:
+        """[J, G] float64 occurrences of tokens ``token_ids`` [J] in each kept batch."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        return sparse.csr_array(self.counts.T.tocsr()[ids].astype(np.float64))
+
+    def to_tensors(self) -> dict[str, np.ndarray]:
+        c = self.counts
+        return {
+            "indptr": c.indptr.astype(np.int64),
+            "indices": c.indices.astype(np.int64),
+            "data": c.data.astype(np.int64),
+            "shape": np.array(c.shape, np.int64),
+            "settings": np.array([self.batch_tokens, self.stride], np.int64),
+        }
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, np.ndarray], vocab_size: int) -> BatchMix:
+        try:
+            shape = tuple(int(s) for s in tensors["shape"])
+            batch_tokens, stride = (int(s) for s in tensors["settings"])
+            counts = sparse.csr_array(
+                (tensors["data"], tensors["indices"], tensors["indptr"]), shape=shape
+            )
+        except (KeyError, ValueError, TypeError) as e:
+            raise SchemaError(f"batch mix tensors are malformed ({e})") from None
+        if shape[1] != vocab_size or batch_tokens < 1 or stride < 1:
+            raise SchemaError(
+                f"batch mix has shape {shape}, batch_tokens {batch_tokens}, stride {stride}; "
+                f"expected [G, {vocab_size}] and positive settings"
+            )
+        if counts.data.size and counts.data.min() < 0:
+            raise SchemaError("batch mix holds negative counts")
+        return cls(counts, batch_tokens, stride)
+
+
+class BatchMixAccumulator:
+    """Cuts token ids arriving in trace order into batches of ``batch_tokens`` and counts them."""
+
+    def __init__(
+        self, vocab_size: int, batch_tokens: int = BATCH_TOKENS, max_batches: int = MAX_BATCHES
+    ):
+        self.vocab_size = int(vocab_size)
+        self.batch_tokens = int(batch_tokens)
+        self.max_batches = int(max_batches)
+        self.stride = 1
+        self.index = 0  # batches of the trace seen so far
+        self.kept: list[tuple[int, np.ndarray, np.ndarray]] = []  # (index, ids, counts)
+        self.pending: list[np.ndarray] = []
+        self.pending_rows = 0
+
+    def add(self, token_ids: np.ndarray) -> None:
+        """The next fitting rows' token ids, in trace order (-1, unknown, is skipped)."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        while ids.size:
+            take = self.batch_tokens - self.pending_rows
+            self.pending.append(ids[:take])
+            self.pending_rows += min(take, ids.size)
+            ids = ids[take:]
+            if self.pending_rows == self.batch_tokens:
+                self._close()
+
+    def _close(self) -> None:
+        ids = np.concatenate(self.pending)
+        self.pending, self.pending_rows = [], 0
+        if self.index % self.stride == 0:
+            uniq, counts = np.unique(ids[ids >= 0], return_counts=True)
+            self.kept.append((self.index, uniq, counts))
+            if len(self.kept) >= 2 * self.max_batches:
+                self.stride *= 2
+                self.kept = [b for b in self.kept if b[0] % self.stride == 0]
+        self.index += 1
+
+    def result(self) -> BatchMix:
+        if self.pending_rows and (self.index % self.stride == 0 or not self.kept):
+            self._close()
+        kept = self.kept
+        if len(kept) > self.max_batches:  # evenly spaced subset
+            pick = np.linspace(0, len(kept) - 1, self.max_batches).round().astype(int)
+            kept = [kept[i] for i in np.unique(pick)]
+        rows = np.concatenate([np.full(ids.size, g) for g, (_, ids, _) in enumerate(kept)] or [[]])
+        cols = np.concatenate([ids for _, ids, _ in kept] or [[]])
+        data = np.concatenate([c for _, _, c in kept] or [[]])
+        counts = sparse.csr_array(
+            (data.astype(np.int64), (rows.astype(np.int64), cols.astype(np.int64))),
+            shape=(len(kept), self.vocab_size),
+        )
+        return BatchMix(counts, self.batch_tokens, self.stride)

@@ -1,0 +1,93 @@
+"""What the runtime's per-batch cap takes back, and CEO placing experts for it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy import sparse
+
+from planner.solve.common import batch_overflow, device_gains, token_confidence
+from planner.solve.problem import LayerProblem, SolverConfig
+from planner.solve.registry import get_solver
+from tests.solve.instances import random_problem
+
+
+def overflow_by_hand(problem: LayerProblem, gain: np.ndarray, t: np.ndarray) -> float:
+    """The same quantity, one (batch, device) at a time, most confident token first."""
+    e, act, freq = problem.ep_size, problem.token_activations, problem.token_freq
+    conf = token_confidence(problem, gain, t)
+    b = problem.batch_freq.toarray()
+    lost = 0.0
+    for g in range(b.shape[1]):
+        cap = problem.beta * b[:, g].sum() / e
+        for d in range(e):
+            kept = 0.0
+            for j in sorted(np.flatnonzero((t == d) & (b[:, g] > 0)), key=lambda j: -conf[j]):
+                evicted = min(b[j, g], max(kept + b[j, g] - cap, 0.0))
+                kept += b[j, g]
+                own = gain[j, d]
+                lost += evicted * max((own - (act[j] - own) / (e - 1)) / freq[j], 0.0)
+    return lost
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_matches_a_per_batch_reference(seed: int) -> None:
+    base = random_problem(300, 16, 4, top_k=4, seed=seed, noise=0.3)
+    rng = np.random.default_rng(seed)
+    # 5 batches, each token's occurrences spread over a few of them
+    share = rng.dirichlet(np.full(5, 0.3), base.num_tokens)
+    batch_freq = sparse.csr_matrix(np.round(share * base.token_freq[:, None]))
+    problem = base.with_options(batch_freq=batch_freq)
+    x = rng.permutation(np.arange(16) // 4)
+    gain = device_gains(problem, x)
+    t = rng.integers(0, 4, base.num_tokens)
+    assert batch_overflow(problem, gain, t) == pytest.approx(overflow_by_hand(problem, gain, t))
+    # rows selected together with their batches; none without batches or without a cap
+    sub = problem.select_tokens(np.arange(0, 300, 2))
+    assert sub.batch_freq.shape == (150, 5)
+    assert batch_overflow(base, gain, t) == 0.0
+    assert batch_overflow(problem.with_options(balance="penalty"), gain, t) == 0.0
+
+
+def test_one_batch_within_the_cap_loses_nothing() -> None:
+    problem = random_problem(200, 8, 2, top_k=2, seed=3)
+    problem = problem.with_options(batch_freq=sparse.csr_matrix(problem.token_freq[:, None]))
+    x = np.arange(8) // 4
+    gain = device_gains(problem, x)
+    t = get_solver("kmeans")(problem, SolverConfig(seed=0)).token_to_device
+    assert batch_overflow(problem, gain, t) == 0.0  # the plan's own cap is this batch's cap
+
+
+def two_domain_problem(batch_freq: bool) -> LayerProblem:
+    """Domain A's tokens use experts 0 and 1, domain B's 2 and 3; a batch is one domain.
+
+    Keeping each domain's experts together is slightly more local (the small second-expert
+    weight), but then every batch's tokens all want one device.
+    """
+    rows = []
+    for first, second in ((0, 1), (1, 0), (2, 3), (3, 2)):
+        for _ in range(20):
+            w = np.zeros(4)
+            w[first], w[second] = 1.0, 0.2
+            rows.append(w)
+    w = np.array(rows) * 10
+    freq = np.full(80, 10.0)
+    domain = np.repeat([0, 0, 1, 1], 20)
+    batches = sparse.csr_matrix((freq, (np.arange(80), domain)), shape=(80, 2))
+    return LayerProblem(w, freq, 2, batch_freq=batches if batch_freq else None)
+
+
+def test_ceo_spreads_each_batchs_experts_when_batch_aware() -> None:
+    problem = two_domain_problem(batch_freq=True)
+    aware = get_solver("ceo")(problem, SolverConfig(seed=0, options={"ceo": {"time_budget": 2}}))
+    x = aware.expert_to_device
+    assert x[0] != x[1] and x[2] != x[3]  # every batch can use both devices
+    assert aware.info["batch_overflow"] == pytest.approx(0.0)
+    blind = get_solver("ceo")(
+        problem, SolverConfig(seed=0, options={"ceo": {"time_budget": 2, "batch_aware": False}})
+    )
+    y = blind.expert_to_device
+    assert y[0] == y[1] and y[2] == y[3]  # the plain objective keeps domains together
+    assert blind.objective > aware.objective
+    gain = device_gains(problem, y)
+    assert batch_overflow(problem, gain, blind.token_to_device) > 0.2 * problem.total_activations
