@@ -555,21 +555,24 @@ def batch_overflow(problem: LayerProblem, gain: np.ndarray, token_to_device: np.
     as the runtime does. An evicted occurrence is counted as local at its token's mean rate
     over the other devices. Penalty mode (no cap) and E = 1 lose nothing.
     """
-    b = problem.batch_freq
-    e = problem.ep_size
-    if b is None or b.nnz == 0 or problem.balance != "cap" or e == 1:
+    entries, e = problem.batch_entries, problem.ep_size
+    if entries is None or entries[0].size == 0 or problem.balance != "cap" or e == 1:
         return 0.0
+    rows, batch, occ, cap = entries
     t = np.asarray(token_to_device, dtype=np.int64)
+    key = batch * e + t[rows]  # (batch, device) of each entry
+    load = np.bincount(key, weights=occ, minlength=cap.size * e)
+    over = np.flatnonzero(load[key] > cap[batch] * (1 + 1e-12))
+    if over.size == 0:
+        return 0.0
+    # only the (batch, device) groups over their cap: rank by confidence, evict the tail
+    rows, batch, occ, key = rows[over], batch[over], occ[over], key[over]
     act, freq = problem.token_activations, problem.token_freq
     own = gain[np.arange(t.size), t]
     conf = np.divide(own, act, out=np.zeros_like(own), where=act > 0)
     loss_each = np.divide(
         own - (act - own) / (e - 1), freq, out=np.zeros_like(own), where=freq > 0
     ).clip(min=0.0)
-    coo = b.tocoo()
-    rows, batch, occ = coo.row, coo.col, coo.data
-    cap = problem.beta * np.asarray(b.sum(axis=0)).ravel() / e
-    key = batch.astype(np.int64) * e + t[rows]
     order = np.lexsort((-conf[rows], key))
     key, rows, occ, batch = key[order], rows[order], occ[order], batch[order]
     csum = np.cumsum(occ)

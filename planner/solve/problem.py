@@ -215,6 +215,20 @@ class LayerProblem:
         return np.repeat(np.arange(w.shape[0], dtype=np.int64), np.diff(w.indptr))
 
     @functools.cached_property
+    def batch_entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+        """(row [M], batch [M], occurrences [M], batch capacity [G]) of ``batch_freq``.
+
+        The capacity is the runtime cap ``beta * S_g / E`` of each batch over these rows;
+        None without batches.
+        """
+        b = self.batch_freq
+        if b is None:
+            return None
+        rows = np.repeat(np.arange(b.shape[0], dtype=np.int64), np.diff(b.indptr))
+        cap = self.beta * np.asarray(b.sum(axis=0)).ravel() / self.ep_size
+        return rows, b.indices.astype(np.int64), b.data, cap
+
+    @functools.cached_property
     def affinity_csc(self) -> sparse.csc_matrix:
         """W [J, N] in CSC form (column access: the tokens that route to an expert)."""
         return self.affinity.tocsc()
