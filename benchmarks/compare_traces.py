@@ -79,9 +79,7 @@ def run_case(
         predictor,
         open_trace(held),
         METHODS,
-        PlanConfig(
-            ep_size=ep, jobs=jobs, ngram_weight=ngram_weight, options={"ceo": ceo_options}
-        ),
+        PlanConfig(ep_size=ep, jobs=jobs, ngram_weight=ngram_weight, options={"ceo": ceo_options}),
     )
     rows = {r["method"]: r for r in result["rows"]}
     best = max(BASELINES, key=lambda m: rows[m]["lar_balanced"])
@@ -124,7 +122,13 @@ def main(argv=None) -> int:
                         case = {
                             "source": source,
                             **run_case(
-                                trace, work, seed, ngram, ep, args.jobs, args.ngram_weight,
+                                trace,
+                                work,
+                                seed,
+                                ngram,
+                                ep,
+                                args.jobs,
+                                args.ngram_weight,
                                 args.ceo_options,
                             ),
                         }

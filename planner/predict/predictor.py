@@ -231,7 +231,13 @@ class Predictor:
         if REPORT in files:
             report = json.loads((path / REPORT).read_text())
         return cls(
-            meta, affinity, distribution, transitions, neural, manifest.get("fit") or {}, report,
+            meta,
+            affinity,
+            distribution,
+            transitions,
+            neural,
+            manifest.get("fit") or {},
+            report,
             batches,
         )
 

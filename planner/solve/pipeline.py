@@ -90,7 +90,12 @@ def layer_problems(predictor: Predictor, ep_size: int, beta: float = 1.1) -> lis
         ids, w, a = predictor.affinity.layer_problem_inputs(layer)
         problems.append(
             LayerProblem(
-                w, a, ep_size, beta=beta, token_ids=ids.astype(np.int64), layer=layer,
+                w,
+                a,
+                ep_size,
+                beta=beta,
+                token_ids=ids.astype(np.int64),
+                layer=layer,
                 batch_freq=None if mix is None else mix.token_batch_freq(ids),
             )  # fmt: skip
         )
