@@ -569,7 +569,7 @@ def batch_overflow(problem: LayerProblem, gain: np.ndarray, token_to_device: np.
     rows, batch, occ, key = rows[over], batch[over], occ[over], key[over]
     act, freq = problem.token_activations, problem.token_freq
     own = gain[np.arange(t.size), t]
-    conf = np.divide(own, act, out=np.zeros_like(own), where=act > 0)
+    conf = token_confidence(problem, gain, t)
     loss_each = np.divide(
         own - (act - own) / (e - 1), freq, out=np.zeros_like(own), where=freq > 0
     ).clip(min=0.0)

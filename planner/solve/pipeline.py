@@ -86,18 +86,15 @@ def layer_problems(predictor: Predictor, ep_size: int, beta: float = 1.1) -> lis
     """One problem per MoE layer over the tokens seen in fitting."""
     problems = []
     mix = predictor.batches
+    batch_ids = batch_freq = None  # every layer has the same seen tokens: one shared matrix
     for layer in range(predictor.meta.num_layers):
         ids, w, a = predictor.affinity.layer_problem_inputs(layer)
+        if mix is not None and (batch_ids is None or not np.array_equal(ids, batch_ids)):
+            batch_ids, batch_freq = ids, mix.token_batch_freq(ids)
         problems.append(
             LayerProblem(
-                w,
-                a,
-                ep_size,
-                beta=beta,
-                token_ids=ids.astype(np.int64),
-                layer=layer,
-                batch_freq=None if mix is None else mix.token_batch_freq(ids),
-            )  # fmt: skip
+                w, a, ep_size, beta=beta, token_ids=ids, layer=layer, batch_freq=batch_freq
+            )
         )
     return problems
 
