@@ -10,6 +10,12 @@ alongside the seconds. EP 32 token imbalance exceeds 1.1 because the most freque
 each carry more than 1.1/32 of all occurrences (indivisible tokens, see
 :mod:`planner.solve.problem`).
 
+Runtime batches: ``--batches trace`` (default) records the instance's fitting batches as
+``moeplan fit`` does (4096-token batches in trace order, at most 64 kept;
+:mod:`planner.predict.batches`), so CEO's batch-aware score pays its cost;
+``--batches domain`` cuts them from the rows sorted by request domain (every batch one
+domain: the most over-cap groups, the slowest case); ``--batches none`` leaves them out.
+
 Whole model: ``--model-layers`` layers (default 58) of one synthetic DeepSeek-V3-shaped
 model are solved with :func:`planner.solve.plan.solve_model` (``--jobs`` processes, default
 2) and, as ``moeplan solve`` does, the n-gram term (layers in order within runs of 16,
@@ -40,10 +46,15 @@ TARGET_MODEL_S = 300.0
 METHODS = ("ceo", "ceo:paper", "metis", "kmeans", "alternating", "vanilla")
 
 
-def synth_layer(occurrences: int, seed: int):
-    """(token ids [J], W [J, 256] routing counts, a [J]) of one DeepSeek-V3-shaped layer."""
-    layers, _ = synth_model(1, occurrences, seed * 1000, transitions=False)
-    return layers[0]
+BATCH_ORDERS = ("trace", "domain", "none")
+
+
+def synth_layer(occurrences: int, seed: int, batches: str = "trace"):
+    """(token ids [J], W [J, 256] routing counts, a [J], batch_freq [J, G] or None) of one
+    DeepSeek-V3-shaped layer."""
+    layers, _, mix = synth_model(1, occurrences, seed * 1000, transitions=False, batches=batches)
+    ids, w, a = layers[0]
+    return ids, w, a, None if mix is None else mix.token_batch_freq(ids)
 
 
 def _child(method: str, instance: str, ep: int, seed: int, queue) -> None:
@@ -54,7 +65,12 @@ def _child(method: str, instance: str, ep: int, seed: int, queue) -> None:
     w = sparse.csr_matrix(
         (data["data"], data["indices"], data["indptr"]), shape=tuple(data["shape"])
     )
-    problem = LayerProblem(w, data["freq"], ep, token_ids=data["ids"])
+    batch_freq = None
+    if "b_data" in data:
+        batch_freq = sparse.csr_array(
+            (data["b_data"], data["b_indices"], data["b_indptr"]), shape=tuple(data["b_shape"])
+        )
+    problem = LayerProblem(w, data["freq"], ep, token_ids=data["ids"], batch_freq=batch_freq)
     base = peak_rss_mib()
     name, _, variant = method.partition(":")
     options = {name: {"variant": variant}} if variant else {}
@@ -65,6 +81,9 @@ def _child(method: str, instance: str, ep: int, seed: int, queue) -> None:
         "lar": placement.local_rate, "token_imbalance": placement.token_imbalance,
         "tokens": problem.num_tokens, "nnz": int(w.nnz),
         "peak_rss_mib": peak_rss_mib(), "rss_before_solve_mib": base,
+        "batches": 0 if batch_freq is None else int(batch_freq.shape[1]),
+        **{k: placement.info[k] for k in ("iterations", "restarts_used", "batch_overflow")
+           if k in placement.info},
     })  # fmt: skip
 
 
@@ -83,15 +102,21 @@ def _print_row(r: dict) -> None:
     print(
         f"EP{r['ep']:3d} {r['method']:12s} {r['seconds']:7.2f} s  LAR {r['lar']:.4f}  "
         f"imb {r['token_imbalance']:.3f}  peak {r['peak_rss_mib']:.0f} MiB "
-        f"(before solve {r['rss_before_solve_mib']:.0f})",
+        f"(before solve {r['rss_before_solve_mib']:.0f})  batches {r['batches']}"
+        + (f"  iterations {r['iterations']}" if "iterations" in r else "")
+        + (f"  overflow {r['batch_overflow']:.0f}" if "batch_overflow" in r else ""),
         file=sys.stderr,
     )
 
 
-def synth_model(layers: int, occurrences: int, seed: int, transitions: bool = True):
-    """Per-layer (token ids, W, a) and the top-1 transition statistic (None without
-    ``transitions``) of a DeepSeek-V3-shaped model of ``layers`` layers (the n-gram term
-    reads the transitions)."""
+def synth_model(
+    layers: int, occurrences: int, seed: int, transitions: bool = True, batches: str = "none"
+):
+    """Per-layer (token ids, W, a), the top-1 transition statistic (None without
+    ``transitions``; the n-gram term reads it) and the fitting batch mix (None for
+    ``batches="none"``, see the module doc) of a DeepSeek-V3-shaped model of ``layers``
+    layers."""
+    from planner.predict.batches import BatchMixAccumulator
     from planner.predict.ngram import TransitionAccumulator
     from planner.trace.synth import SynthGenerator, preset_config
 
@@ -101,13 +126,20 @@ def synth_model(layers: int, occurrences: int, seed: int, transitions: bool = Tr
     )  # fmt: skip
     k, n = config.top_k, config.num_experts
     acc = TransitionAccumulator(layers, n) if transitions else None
-    tokens, experts = [], []
+    tokens, experts, domains = [], [], []
     for batch in SynthGenerator(config).batches():
         if acc is not None:
             acc.add(batch.experts)
         tokens.append(batch.token_id.astype(np.int64))
         experts.append(batch.experts.astype(np.int16))
+        domains.append(batch.extras["domain"])
     tok, exp = np.concatenate(tokens), np.concatenate(experts)
+    mix = None
+    if batches != "none":
+        stream = BatchMixAccumulator(config.vocab_size)
+        order = np.argsort(np.concatenate(domains), kind="stable") if batches == "domain" else None
+        stream.add(tok if order is None else tok[order])
+        mix = stream.result()
     ids, rows = np.unique(tok, return_inverse=True)
     layer_data = []
     for layer in range(layers):
@@ -117,11 +149,17 @@ def synth_model(layers: int, occurrences: int, seed: int, transitions: bool = Tr
         )
         w.sum_duplicates()
         layer_data.append((ids, w, np.asarray(w.sum(axis=1)).ravel() / k))
-    return layer_data, None if acc is None else acc.result()
+    return layer_data, None if acc is None else acc.result(), mix
 
 
 def whole_model(
-    layers: int, occurrences: int, eps: list[int], jobs: int, seed: int, ngram_weight: float
+    layers: int,
+    occurrences: int,
+    eps: list[int],
+    jobs: int,
+    seed: int,
+    ngram_weight: float,
+    batches: str = "trace",
 ) -> list[dict]:
     """Solve ``layers`` synthetic layers with ``solve_model(jobs=jobs)`` at each EP size,
     with the n-gram term (order 2) as ``moeplan solve`` runs it unless ``ngram_weight`` is 0."""
@@ -130,13 +168,14 @@ def whole_model(
     from planner.solve.problem import LayerProblem, SolverConfig
 
     built = time.perf_counter()
-    layer_data, transitions = synth_model(layers, occurrences, seed)
+    layer_data, transitions, mix = synth_model(layers, occurrences, seed, batches=batches)
+    batch_freq = None if mix is None else mix.token_batch_freq(layer_data[0][0])
     build_s = time.perf_counter() - built
     term = NgramTerm(transitions, 2, ngram_weight) if ngram_weight > 0 else None
     out = []
     for ep in eps:
         problems = [
-            LayerProblem(w, a, ep, token_ids=ids, layer=layer)
+            LayerProblem(w, a, ep, token_ids=ids, layer=layer, batch_freq=batch_freq)
             for layer, (ids, w, a) in enumerate(layer_data)
         ]
         started = time.perf_counter()
@@ -147,6 +186,7 @@ def whole_model(
         ngram = [p.info["ngram_term"]["local_rate"] for p in placements if "ngram_term" in p.info]
         out.append({
             "layers": layers, "ep": ep, "jobs": jobs, "ngram_weight": ngram_weight,
+            "batches": batches,
             "seconds": time.perf_counter() - started,
             "layer_seconds_max": max(seconds), "layer_seconds_mean": float(np.mean(seconds)),
             "build_seconds": build_s, "mean_lar": float(np.mean([p.local_rate for p in placements])),
@@ -173,19 +213,31 @@ def main(argv=None) -> int:
         default=DEFAULT_WEIGHT,
         help="n-gram term of the whole-model solve (0: layers independent)",
     )
+    ap.add_argument(
+        "--batches", choices=BATCH_ORDERS, default="trace", help="fitting batches (module doc)"
+    )
     args = ap.parse_args(argv)
     eps = [int(e) for e in args.ep.split(",")]
-    ids, w, a = synth_layer(args.occurrences, args.seed)
+    ids, w, a, batch_freq = synth_layer(args.occurrences, args.seed, args.batches)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         instance = str(Path(tmp) / "layer.npz")
+        extra = {}
+        if batch_freq is not None:
+            extra = {
+                "b_data": batch_freq.data,
+                "b_indices": batch_freq.indices,
+                "b_indptr": batch_freq.indptr,
+                "b_shape": np.array(batch_freq.shape),
+            }
         np.savez(instance, data=w.data, indices=w.indices, indptr=w.indptr,
-                 shape=np.array(w.shape), freq=a, ids=ids)  # fmt: skip
+                 shape=np.array(w.shape), freq=a, ids=ids, **extra)  # fmt: skip
         for ep in eps:
             for method in args.methods.split(","):
                 results.append(run_child(method, instance, ep, args.seed))
                 _print_row(results[-1])
     report = {"benchmark": "solve_speed", "occurrences": args.occurrences,
+              "batches": args.batches,
               "tokens": int(ids.size), "nnz": int(w.nnz), "layer": results}  # fmt: skip
     ceo = {r["ep"]: r["seconds"] for r in results if r["method"] == "ceo"}
     if ceo:
@@ -197,7 +249,13 @@ def main(argv=None) -> int:
         }
     if args.full:
         report["model"] = whole_model(
-            args.model_layers, args.occurrences, eps, args.jobs, args.seed, args.ngram_weight
+            args.model_layers,
+            args.occurrences,
+            eps,
+            args.jobs,
+            args.seed,
+            args.ngram_weight,
+            args.batches,
         )
     print(json.dumps(report, indent=2))
     return 0

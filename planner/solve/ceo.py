@@ -48,9 +48,10 @@ change has a switch, and ``benchmarks/solve_quality.py`` shows its effect:
   placements that let every batch use all devices. A candidate keeps its unpolished form
   when the polish lowers this score. Without batches, or in penalty mode, it changes nothing.
 
-Time: ``time_budget`` seconds (soft, default 6.5) per layer: the search stops after
-``search_share`` of it, the final polish at the budget; ``SolverConfig.time_limit`` is a
-hard limit on both. When the budget cuts the search, the result depends on the machine's
+Time: ``time_budget`` seconds (soft, default 6.5) per layer, for everything: the search
+stops after ``search_share`` of it; of the rest, the last full token assignment keeps what
+it needs (about 2.5 times a screening assignment), the screening half of what remains and
+the polish the other half; ``SolverConfig.time_limit`` is a hard limit on all of it. When the budget cuts the search, the result depends on the machine's
 speed (``info["search_cut_by_budget"]``); with ``time_budget=None`` it depends on the seed
 only. ``warm_start`` (off by default) starts the distribution around a balanced k-means
 clustering of the experts instead of uniform.
@@ -382,26 +383,33 @@ def _solve_improved(
         )  # fmt: skip
         x = repair_expert_counts(p_ep.argmax(axis=1), p_ep.T, problem.experts_per_device)
         candidates, tokens = [x], [p_tk.argmax(axis=1)]
-    # screen the distinct candidates on all tokens, then polish the best few
+    # screen the distinct candidates on all tokens, then polish the best few. Within the
+    # budget: the last full token assignment (about 2.5 screening assignments, 30 sweeps
+    # against 10) keeps its time, and the screening gets half of what is left before it
     aware = bool(opts["batch_aware"])
-    screened = []
+    screened, polish_stop, screen_stop = [], polish_end, polish_end
     for x, t in zip(candidates, tokens, strict=True):
+        tick = time.perf_counter()
         gain = device_gains(problem, x)
         if t is None:
             t = assign_for_problem(problem, gain, sweeps=10).token_to_device
         else:
             t = rebalance_tokens(problem, t, gain, priority=gain[np.arange(t.size), t])
         screened.append((_score(problem, gain, t, aware), x, t))
-        if not opts["polish"] or (polish_end is not None and time.perf_counter() > polish_end):
+        now = time.perf_counter()
+        if len(screened) == 1 and polish_end is not None:
+            polish_stop = polish_end - 2.5 * (now - tick)
+            screen_stop = now + 0.5 * max(0.0, polish_stop - now)
+        if not opts["polish"] or (screen_stop is not None and now >= screen_stop):
             break
     screened.sort(key=lambda item: -item[0])
     best, log = None, []
     for score_ce, x, t in screened[: max(1, int(opts["candidates"]))]:
         rounds, score = 0, score_ce
-        if opts["polish"]:
+        if opts["polish"] and (polish_stop is None or time.perf_counter() < polish_stop):
             # cheap exact-expert rounds first, then rounds with swaps while time remains
-            y, u, rounds = polish(problem, x, t, deadline=polish_end, sweeps=10, swaps=False)
-            y, u, more = polish(problem, y, u, deadline=polish_end, sweeps=10, swaps=True)
+            y, u, rounds = polish(problem, x, t, deadline=polish_stop, sweeps=10, swaps=False)
+            y, u, more = polish(problem, y, u, deadline=polish_stop, sweeps=10, swaps=True)
             rounds += more
             polished = _score(problem, device_gains(problem, y), u, aware)
             # the polish raises the objective; net of the batch cap it may not
@@ -410,7 +418,7 @@ def _solve_improved(
         log.append({"score_search": score_ce, "score_final": score, "polish_rounds": rounds})
         if best is None or score > best[0]:
             best = (score, x, t)
-        if polish_end is not None and time.perf_counter() > polish_end:
+        if polish_stop is not None and time.perf_counter() > polish_stop:
             break
     _, x, t = best
     # A last, fully converged token assignment for the final experts.

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from planner.errors import InfeasibleError, InputError
+from planner.solve.common import assign_for_problem, device_gains, objective
 from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig
 from planner.solve.registry import SOLVERS, solve_layer
 from tests.solve.instances import random_problem
@@ -115,6 +116,20 @@ def test_ceo_within_3_percent_of_the_proven_optimum(seed: int, e: int) -> None:
     for method in ("metis", "kmeans", "alternating"):  # loosely: no baseline is absurd
         other = solve_layer(problem, method, config(seed=seed))
         assert 0.7 * exact.objective <= other.objective <= exact.objective * (1 + 1e-9)
+
+
+def test_ceo_spent_budget_still_ends_with_the_full_token_assignment() -> None:
+    # a budget already spent: one CE round's worth of nothing, one screened candidate, no
+    # polish (its time belongs to the last token assignment), and still a valid placement
+    # whose tokens are the converged assignment for its experts
+    problem = random_problem(400, 16, 4, top_k=2, seed=7, clusters=4, noise=0.02)
+    p = solve_layer(problem, "ceo", SolverConfig(options={"ceo": {"time_budget": 0.0}}))
+    assert p.info["search_cut_by_budget"] and p.info["iterations"] == 0
+    assert [c["polish_rounds"] for c in p.info["candidates"]] == [0]
+    assert p.token_imbalance <= problem.beta + 1e-9
+    full = assign_for_problem(problem, device_gains(problem, p.expert_to_device))
+    assert p.objective >= objective(problem, device_gains(problem, p.expert_to_device),
+                                    full.token_to_device) * (1 - 1e-12)  # fmt: skip
 
 
 @pytest.mark.parametrize("method", HEURISTICS)
