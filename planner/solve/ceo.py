@@ -50,10 +50,11 @@ change has a switch, and ``benchmarks/solve_quality.py`` shows its effect:
 
 Time: ``time_budget`` seconds (soft, default 6.5) per layer, for everything: the search
 stops after ``search_share`` of it; of the rest, the last full token assignment keeps what
-it needs (about 2.5 times a screening assignment), the screening half of what remains and
-the polish the other half; ``SolverConfig.time_limit`` is a hard limit on all of it. When the budget cuts the search, the result depends on the machine's
-speed (``info["search_cut_by_budget"]``); with ``time_budget=None`` it depends on the seed
-only. ``warm_start`` (off by default) starts the distribution around a balanced k-means
+it needs (about 2.5 times a screening assignment), the screening gets half of what remains
+and the polish the other half; ``SolverConfig.time_limit`` is a hard limit on all of it.
+When the budget cuts the search, the result depends on the machine's speed
+(``info["search_cut_by_budget"]``); with ``time_budget=None`` it depends on the seed only.
+``warm_start`` (off by default) starts the distribution around a balanced k-means
 clustering of the experts instead of uniform.
 
 Token confidence is the share of the token's predicted activations local on its device, as
