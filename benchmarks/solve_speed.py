@@ -57,19 +57,25 @@ def synth_layer(occurrences: int, seed: int, batches: str = "trace"):
     return ids, w, a, None if mix is None else mix.token_batch_freq(ids)
 
 
+def _csr_arrays(prefix: str, m) -> dict[str, np.ndarray]:
+    """A CSR matrix as named arrays for ``np.savez`` (read back by :func:`_csr_load`)."""
+    parts = {"data": m.data, "indices": m.indices, "indptr": m.indptr, "shape": np.array(m.shape)}
+    return {prefix + k: v for k, v in parts.items()}
+
+
+def _csr_load(data, prefix: str) -> sparse.csr_matrix | None:
+    if prefix + "data" not in data:
+        return None
+    parts = (data[prefix + k] for k in ("data", "indices", "indptr"))
+    return sparse.csr_matrix(tuple(parts), shape=tuple(data[prefix + "shape"]))
+
+
 def _child(method: str, instance: str, ep: int, seed: int, queue) -> None:
     from planner.solve.problem import LayerProblem, SolverConfig
     from planner.solve.registry import solve_layer
 
     data = np.load(instance)
-    w = sparse.csr_matrix(
-        (data["data"], data["indices"], data["indptr"]), shape=tuple(data["shape"])
-    )
-    batch_freq = None
-    if "b_data" in data:
-        batch_freq = sparse.csr_array(
-            (data["b_data"], data["b_indices"], data["b_indptr"]), shape=tuple(data["b_shape"])
-        )
+    w, batch_freq = _csr_load(data, ""), _csr_load(data, "b_")
     problem = LayerProblem(w, data["freq"], ep, token_ids=data["ids"], batch_freq=batch_freq)
     base = peak_rss_mib()
     name, _, variant = method.partition(":")
@@ -222,16 +228,8 @@ def main(argv=None) -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         instance = str(Path(tmp) / "layer.npz")
-        extra = {}
-        if batch_freq is not None:
-            extra = {
-                "b_data": batch_freq.data,
-                "b_indices": batch_freq.indices,
-                "b_indptr": batch_freq.indptr,
-                "b_shape": np.array(batch_freq.shape),
-            }
-        np.savez(instance, data=w.data, indices=w.indices, indptr=w.indptr,
-                 shape=np.array(w.shape), freq=a, ids=ids, **extra)  # fmt: skip
+        extra = {} if batch_freq is None else _csr_arrays("b_", batch_freq)
+        np.savez(instance, freq=a, ids=ids, **_csr_arrays("", w), **extra)
         for ep in eps:
             for method in args.methods.split(","):
                 results.append(run_child(method, instance, ep, args.seed))
