@@ -35,6 +35,12 @@ from planner.predict.metrics import HeldoutParts, TraceEvaluator, evaluate_count
 from planner.predict.neural import NeuralConfig, NeuralPredictor
 from planner.predict.ngram import TransitionAccumulator
 from planner.predict.predictor import Predictor
+from planner.predict.reliability import (
+    FOLD_SEED_OFFSET,
+    estimate_shrinkage,
+    sampled_layers,
+    spread_to_layers,
+)
 from planner.predict.split import RequestSplit, check_fraction, thin_counts
 from planner.trace.io import DEFAULT_BATCH_ROWS, open_trace
 
@@ -68,6 +74,10 @@ class FitConfig:
         batch_rows: trace rows per chunk.
         batch_tokens: tokens per runtime batch; the fitting rows in trace order are cut into
             batches of this size (:mod:`planner.predict.batches`).
+        token_reliability: traces only: estimate each layer's token shrinkage m from two
+            folds of the fitting requests (:mod:`planner.predict.reliability`); costs one
+            more counts accumulator over half the rows. False leaves token confidences
+            uncalibrated.
         counts: model / domain / shape selection for counts tables.
         eval_domains: counts only: fit on ``counts.domains``, report on these domains.
         progress: show progress bars on stderr.
@@ -86,6 +96,7 @@ class FitConfig:
     ngram_routed: bool = False
     batch_rows: int = DEFAULT_BATCH_ROWS
     batch_tokens: int = BATCH_TOKENS
+    token_reliability: bool = True
     counts: CountsSelection = field(default_factory=CountsSelection)
     eval_domains: tuple[str, ...] = ()
     progress: bool = False
@@ -144,9 +155,18 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
     trace = open_trace(path)
     meta = trace.meta
     split = None
+    request_ids = trace.request_ids()
     if config.holdout is not None:
-        split = RequestSplit.make(trace.request_ids(), config.holdout, config.seed)
+        split = RequestSplit.make(request_ids, config.holdout, config.seed)
     acc = CountsAccumulator(meta)
+    # Fold B of the fitting requests at a few layers, for the token shrinkage (fold A =
+    # all fitting rows - B).
+    fold = fold_acc = None
+    fold_layers = sampled_layers(meta.num_layers)
+    if config.token_reliability and request_ids.size >= 2:
+        fold = RequestSplit.make(request_ids, 0.5, config.seed + FOLD_SEED_OFFSET)
+        fold_meta = replace(meta, num_layers=fold_layers.size, moe_layer_indices=())
+        fold_acc = CountsAccumulator(fold_meta)
     transitions = TransitionAccumulator(meta.num_layers, meta.num_experts, config.ngram_routed)
     batches = BatchMixAccumulator(meta.vocab_size, config.batch_tokens)
     unknown_load = np.zeros((meta.num_layers, meta.num_experts), np.int64)
@@ -164,6 +184,9 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
                 continue
             fit_tokens += len(batch)
             acc.add(batch.token_id, batch.experts)
+            if fold is not None:
+                in_b = fold.heldout_mask(batch.request_id)
+                fold_acc.add(batch.token_id[in_b], batch.experts[in_b][:, fold_layers])
             transitions.add(batch.experts)
             batches.add(batch.token_id)
             if ema:
@@ -179,9 +202,16 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
     if not ema:  # the exact MLE over the fitting rows, unknown tokens included
         distribution.partial_fit(counts.load() + unknown_load)
     affinity, neural, timings = _fit_components(counts, config)
+    shrinkage = None
+    if fold_acc is not None:
+        fold_b = fold_acc.result().by_layer
+        fold_a = [counts.by_layer[layer] - b for layer, b in zip(fold_layers, fold_b, strict=True)]
+        sampled = estimate_shrinkage(fold_a, fold_b, meta.top_k)
+        shrinkage = spread_to_layers(sampled, fold_layers, meta.num_layers)
     fit_info = {
         "input": str(path),
         "kind": "trace",
+        "token_shrinkage": None if shrinkage is None else shrinkage.tolist(),
         "seed": config.seed,
         "split": split.summary() if split else None,
         "fit_tokens": fit_tokens,
@@ -210,7 +240,9 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
     mix = batches.result()
     fit_info["batches"] = {"kept": mix.num_batches, "batch_tokens": mix.batch_tokens,
                            "stride": mix.stride}  # fmt: skip
-    predictor = Predictor(meta, affinity, distribution, trans, neural, fit_info, report, mix)
+    predictor = Predictor(
+        meta, affinity, distribution, trans, neural, fit_info, report, mix, shrinkage
+    )
     return FitResult(predictor, report)
 
 

@@ -2,8 +2,9 @@
 
 Layout of a predictor directory (written atomically, all or nothing)::
 
-    predictor.json          manifest: format "moeplan-predictor", format_version 1, model
-                            metadata and fingerprint, settings, fit info, sha256 of files
+    predictor.json          manifest: format "moeplan-predictor", format_version 4, model
+                            metadata and fingerprint, settings, fit info, the per-layer
+                            token shrinkage (traces), sha256 of files
     affinity.safetensors    token->expert counts per layer (CSR, end to end), nearest_known
     distribution.safetensors  distribution-only estimate [L, N] and its load counts
     transitions.safetensors (previous top-1 experts, routed expert, rank) tuples per layer
@@ -40,8 +41,10 @@ FORMAT = "moeplan-predictor"
 # 2: transitions hold every routed expert of layer l with its rank (was top-1 only).
 # 3: optional batches.safetensors (the fitting batches' token mix); version 2 still loads,
 #    without it.
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (2, 3)
+# 4: optional "token_shrinkage" in the manifest (per-layer m of
+#    :mod:`planner.predict.reliability`); versions 2 and 3 still load, uncalibrated.
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (2, 3, 4)
 MANIFEST = "predictor.json"
 REPORT = "report.json"
 
@@ -60,6 +63,8 @@ class Predictor:
         fit_info: how it was fitted (input path, split, seed, sizes, timings).
         report: the held-out report, or None when nothing was held out.
         batches: :class:`BatchMix` of the fitting trace, or None (counts tables, version 2).
+        token_shrinkage: [L] float64 m of each layer (:mod:`planner.predict.reliability`),
+            or None: token confidences are not calibrated (counts tables, versions 2-3).
     """
 
     meta: TraceMeta
@@ -70,6 +75,7 @@ class Predictor:
     fit_info: dict = field(default_factory=dict)
     report: dict | None = None
     batches: BatchMix | None = None
+    token_shrinkage: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         m = self.meta
@@ -89,6 +95,16 @@ class Predictor:
         b = self.batches
         if b is not None and b.counts.shape[1] != m.vocab_size:
             raise MismatchError("batch mix was counted over another vocabulary")
+        if self.token_shrinkage is not None:
+            try:
+                shrink = np.asarray(self.token_shrinkage, np.float64)
+            except (TypeError, ValueError):
+                shrink = np.full(1, np.nan)
+            if shrink.shape != (m.num_layers,) or not (np.isfinite(shrink) & (shrink >= 0)).all():
+                raise SchemaError(
+                    f"token_shrinkage must be {m.num_layers} finite numbers >= 0 (one per layer)"
+                )
+            object.__setattr__(self, "token_shrinkage", shrink)
 
     @property
     def fingerprint(self) -> str:
@@ -143,6 +159,9 @@ class Predictor:
                 "distribution": {"momentum": self.distribution.momentum},
                 "transitions": self.transitions is not None,
                 "batches": self.batches is not None,
+                "token_shrinkage": (
+                    None if self.token_shrinkage is None else self.token_shrinkage.tolist()
+                ),
                 "neural": self.neural.settings() if self.neural is not None else None,
                 "fit": self.fit_info,
                 "files": files,
@@ -239,6 +258,7 @@ class Predictor:
             manifest.get("fit") or {},
             report,
             batches,
+            manifest.get("token_shrinkage"),
         )
 
 

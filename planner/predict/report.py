@@ -156,4 +156,7 @@ def render_fit_summary(fit_info: dict, out: str) -> Text:
         )
     if fit_info.get("embeddings"):
         parts.append(f"embeddings {fit_info['embeddings']}")
+    shrinkage = fit_info.get("token_shrinkage")
+    if shrinkage:
+        parts.append(f"token shrinkage m per layer {' '.join(f'{m:g}' for m in shrinkage)}")
     return Text("; ".join(parts))

@@ -5,8 +5,10 @@
 2. :func:`planner.solve.plan.solve_model` with the chosen method; when the predictor has
    transition statistics, with the n-gram term (:mod:`planner.solve.ngram_term`): layers
    in order, each placement also chosen for the n-gram table it will get;
-3. a vocabulary-wide token table per layer: solved tokens keep the solver's device and
-   confidence; an unseen token borrows the device of the known token the predictor maps it
+3. a vocabulary-wide token table per layer: solved tokens keep the solver's device, and
+   their confidence (the share of their fitting activations local there) is calibrated by
+   the predictor's token shrinkage (:mod:`planner.predict.reliability`: a token seen a
+   times keeps ``a / (a + m)`` of its lead over the device's average share); an unseen token borrows the device of the known token the predictor maps it
    to (nearest input embedding, paper 000 §3.3) at half that token's confidence; a token
    with no neighbour goes to the device carrying most of the layer's expert load, with
    confidence 0;
@@ -28,6 +30,7 @@ import numpy as np
 from planner.errors import InputError
 from planner.predict.ngram import fit_ngram_device_table
 from planner.predict.predictor import Predictor
+from planner.predict.reliability import shrink_confidence
 from planner.solve.metrics import token_table
 from planner.solve.ngram_term import DEFAULT_WEIGHT, NgramTerm
 from planner.solve.plan import Plan, solve_model
@@ -109,6 +112,15 @@ def vocabulary_table(
         problem.token_ids, placement.token_to_device, placement.token_confidence,
         placement.expert_to_device, v, problem.ep_size, expert_load=problem.expert_load,
     )  # fmt: skip
+    if predictor.token_shrinkage is not None and problem.layer is not None:
+        load = problem.expert_load
+        share = np.bincount(placement.expert_to_device, weights=load, minlength=problem.ep_size)
+        share = share / max(float(load.sum()), 1e-300)  # each device's share of the layer
+        seen = aff.seen_
+        conf[seen] = shrink_confidence(
+            conf[seen], share[table[seen]], aff.token_counts_[seen],
+            float(predictor.token_shrinkage[problem.layer]),
+        )  # fmt: skip
     source = aff.source_rows(np.arange(v))
     borrowed = (source >= 0) & ~aff.seen_
     table[borrowed] = table[source[borrowed]]
@@ -143,7 +155,11 @@ def make_plan(predictor: Predictor, config: PlanConfig, *, progress: bool = True
         ngram = fit_ngram_device_table(predictor.transitions, expert_to_device, e, order)
         ngram_dev, ngram_conf = ngram.to_device, ngram.confidence
     reports = [q.report() for q in placements]
-    config_json = asdict(config) | {"seconds": round(time.perf_counter() - t0, 3)}
+    shrinkage = predictor.token_shrinkage
+    config_json = asdict(config) | {
+        "seconds": round(time.perf_counter() - t0, 3),
+        "token_shrinkage": None if shrinkage is None else shrinkage.tolist(),
+    }
     return Plan(
         model=json.loads(meta.to_json()),
         fingerprint=meta.fingerprint(),

@@ -41,6 +41,7 @@ def test_fit_trace_json_and_table(exact_trace, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "held-out token->expert prediction" in text and "predictor saved to" in text
     assert "NN P" in text and "neural" in text and "µs/token" in text
+    assert "token shrinkage m per layer 0 0 0 0" in " ".join(text.split())  # wrapped
     # Without a hold-out: no report.
     data = run_json(capsys, ["fit", str(path), "--out", str(out), "--json"])
     assert data["report"] is None
@@ -103,6 +104,9 @@ def test_real_flame_trace(tmp_path, capsys):
     assert report["layers"] == [2, 3, 4, 5, 6, 7, 8, 9]
     assert 0.0 < report["unseen_share"]["overall"] < 1.0
     assert report["ngram"]["top1_device_accuracy"]["overall"] > 0.125  # above chance on 8 devices
+    # Real prefill routing: a token's identity says little beyond the layer average, so
+    # the token confidences are shrunk hard (m >= 64 occurrences at every layer).
+    assert min(data["fit"]["token_shrinkage"]) >= 64
 
 
 def test_real_counts_thinning_and_cross_domain(tmp_path, capsys):

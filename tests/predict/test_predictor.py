@@ -46,7 +46,9 @@ def test_round_trip(fitted, tmp_path):
     b = fit_ngram_device_table(back.transitions, e2d, 4)
     np.testing.assert_array_equal(a.to_device, b.to_device)
     manifest = json.loads((out / MANIFEST).read_text())
-    assert manifest["format"] == "moeplan-predictor" and manifest["format_version"] == 3
+    assert manifest["format"] == "moeplan-predictor" and manifest["format_version"] == 4
+    np.testing.assert_array_equal(back.token_shrinkage, fitted.token_shrinkage)
+    assert back.token_shrinkage.shape == (m.num_layers,)
     assert manifest["fingerprint"] == m.fingerprint()
     # Saving again over a predictor replaces it.
     fitted.save(out)

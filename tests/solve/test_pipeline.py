@@ -129,3 +129,29 @@ def test_cli_chain(pipeline, tmp_path, capsys):
     assert [r["method"] for r in out["rows"]] == ["vanilla", "kmeans"]
     assert main(["solve", str(pred), "--ep", "3", "--out", str(tmp_path / "bad")]) == 2
     assert "must divide" in capsys.readouterr().err
+
+
+def test_token_confidence_is_calibrated_by_the_predictor_shrinkage(pipeline):
+    """m = 0 keeps the solver's local shares; a huge m leaves each seen token its device's
+    share of the layer's routed load; devices and experts do not change."""
+    import dataclasses
+
+    _, _, _, predictor = pipeline
+    cfg = PlanConfig("kmeans", ep_size=4, ngram_weight=0.0)
+    layers = predictor.meta.num_layers
+    trusted = dataclasses.replace(predictor, token_shrinkage=np.zeros(layers))
+    doubted = dataclasses.replace(predictor, token_shrinkage=np.full(layers, 1e9))
+    raw = make_plan(dataclasses.replace(predictor, token_shrinkage=None), cfg, progress=False)
+    full = make_plan(trusted, cfg, progress=False)
+    none = make_plan(doubted, cfg, progress=False)
+    np.testing.assert_array_equal(raw.token_confidence, full.token_confidence)
+    np.testing.assert_array_equal(raw.token_to_device, none.token_to_device)
+    seen = predictor.affinity.seen_
+    for layer in range(layers):
+        load = predictor.affinity.load_[layer].astype(float)
+        share = np.bincount(raw.expert_to_device[layer], weights=load, minlength=4) / load.sum()
+        expect = share[raw.token_to_device[layer][seen]]
+        np.testing.assert_allclose(none.token_confidence[layer][seen], expect, atol=2e-3)
+    assert (
+        none.config["token_shrinkage"] == [1e9] * layers and raw.config["token_shrinkage"] is None
+    )

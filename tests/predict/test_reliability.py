@@ -1,0 +1,95 @@
+"""Token shrinkage (planner.predict.reliability): estimated from two folds, saved, applied."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from scipy import sparse
+
+from planner.errors import SchemaError
+from planner.predict.fit import FitConfig, fit_predictor
+from planner.predict.predictor import MANIFEST, Predictor
+from planner.predict.reliability import (
+    SHRINKAGE_GRID,
+    estimate_shrinkage,
+    sampled_layers,
+    shrink_confidence,
+    spread_to_layers,
+)
+from tests.predict.conftest import synth_trace
+
+
+def _fold(rows: list[dict[int, int]], n: int = 8) -> sparse.csr_array:
+    dense = np.zeros((len(rows), n))
+    for j, row in enumerate(rows):
+        for e, c in row.items():
+            dense[j, e] = c
+    return sparse.csr_array(dense)
+
+
+def test_consistent_tokens_are_trusted_and_random_ones_are_not():
+    rng = np.random.default_rng(0)
+    v, n, k, occ = 300, 8, 2, 6
+    own = np.stack([rng.choice(n, k, replace=False) for _ in range(v)])
+
+    def counts(consistent: bool) -> sparse.csr_array:
+        dense = np.zeros((v, n))
+        for j in range(v):
+            for _ in range(occ):
+                experts = own[j] if consistent else rng.choice(n, k, replace=False)
+                dense[j, experts] += 1
+        return sparse.csr_array(dense)
+
+    m = estimate_shrinkage([counts(True)], [counts(True)], k)
+    assert m.tolist() == [0.0]
+    m = estimate_shrinkage([counts(False)], [counts(False)], k)
+    assert m[0] >= 256
+    # Nothing seen in both folds: nothing to calibrate, m = 0.
+    a, b = _fold([{0: 2}, {}]), _fold([{}, {1: 2}])
+    assert estimate_shrinkage([a], [b], 2).tolist() == [0.0]
+
+
+def test_shrink_confidence_formula():
+    conf = np.array([0.9, 0.9, 0.9, 0.7])
+    base = np.array([0.25, 0.25, 0.25, 0.5])
+    a = np.array([1.0, 3.0, 0.0, 1.0])
+    out = shrink_confidence(conf, base, a, 1.0)
+    np.testing.assert_allclose(out, [0.25 + 0.5 * 0.65, 0.25 + 0.75 * 0.65, 0.9, 0.5 + 0.1])
+    np.testing.assert_array_equal(shrink_confidence(conf, base, a, 0.0), conf)
+    assert max(SHRINKAGE_GRID) > 1000  # "never trust" is on the grid
+
+
+def test_fit_estimates_shrinkage_per_layer(exact_trace, random_trace, tmp_path):
+    exact = fit_predictor(exact_trace[0], FitConfig()).predictor
+    random = fit_predictor(random_trace[0], FitConfig()).predictor
+    layers = exact.meta.num_layers
+    assert exact.token_shrinkage.shape == (layers,)
+    assert (exact.token_shrinkage <= 0.5).all()  # routing fixed by the token
+    assert (random.token_shrinkage >= 64).all()  # routing independent of the token
+    assert exact.fit_info["token_shrinkage"] == exact.token_shrinkage.tolist()
+    off = fit_predictor(exact_trace[0], FitConfig(token_reliability=False)).predictor
+    assert off.token_shrinkage is None
+    # Saved in the manifest; a bad value there is refused in one line.
+    out = random.save(tmp_path / "pred")
+    np.testing.assert_array_equal(Predictor.load(out).token_shrinkage, random.token_shrinkage)
+    manifest = json.loads((out / MANIFEST).read_text())
+    for bad in ([1.0], "x", [-1.0] * layers):
+        (out / MANIFEST).write_text(json.dumps(manifest | {"token_shrinkage": bad}))
+        with pytest.raises(SchemaError, match="token_shrinkage"):
+            Predictor.load(out)
+    # A version-3 predictor (no shrinkage) still loads, uncalibrated.
+    old = {k: v for k, v in manifest.items() if k != "token_shrinkage"} | {"format_version": 3}
+    (out / MANIFEST).write_text(json.dumps(old))
+    assert Predictor.load(out).token_shrinkage is None
+
+
+def test_deep_models_count_fold_b_at_eight_layers(synth_dir):
+    assert sampled_layers(6).tolist() == list(range(6))
+    assert sampled_layers(58).tolist() == [0, 8, 16, 24, 33, 41, 49, 57]
+    spread = spread_to_layers(np.array([1.0, 2.0, 3.0]), np.array([0, 4, 8]), 9)
+    assert spread.tolist() == [1, 1, 1, 2, 2, 2, 2, 3, 3]  # ties go to the lower layer
+    path, _ = synth_trace(synth_dir, "deep", num_layers=12, affinity=1.0, layer_correlation=0.0)
+    fitted = fit_predictor(path, FitConfig()).predictor
+    assert fitted.token_shrinkage.shape == (12,) and (fitted.token_shrinkage <= 0.5).all()
