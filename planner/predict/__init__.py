@@ -5,6 +5,7 @@ Modules, in the order ``moeplan fit`` uses them:
 - :mod:`~planner.predict.counts`       token-expert counts from traces or counts tables
 - :mod:`~planner.predict.split`        request-level split, binomial thinning of counts
 - :mod:`~planner.predict.affinity`     the token->expert confidence table (paper 000 §3.3)
+- :mod:`~planner.predict.reliability`  how far a token's fitted routing carries over (shrinkage m)
 - :mod:`~planner.predict.ngram`        n-gram device tables from top-1 transitions (000 App. B.1)
 - :mod:`~planner.predict.distribution` distribution-only load predictor (paper 004 §3.2.1)
 - :mod:`~planner.predict.neural`       small MLP token->expert predictor (paper 004 App. B)

@@ -76,8 +76,8 @@ class FitConfig:
             batches of this size (:mod:`planner.predict.batches`).
         token_reliability: traces only: estimate each layer's token shrinkage m from two
             folds of the fitting requests (:mod:`planner.predict.reliability`); costs one
-            more counts accumulator over half the rows. False leaves token confidences
-            uncalibrated.
+            more counts accumulator over half the rows at 8 layers at most. False leaves
+            token confidences uncalibrated.
         counts: model / domain / shape selection for counts tables.
         eval_domains: counts only: fit on ``counts.domains``, report on these domains.
         progress: show progress bars on stderr.
