@@ -185,8 +185,9 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
             fit_tokens += len(batch)
             acc.add(batch.token_id, batch.experts)
             if fold is not None:
-                in_b = fold.heldout_mask(batch.request_id)
-                fold_acc.add(batch.token_id[in_b], batch.experts[in_b][:, fold_layers])
+                in_b = np.flatnonzero(fold.heldout_mask(batch.request_id))
+                # one gather of fold B's rows at the sampled layers, not a copy of all layers
+                fold_acc.add(batch.token_id[in_b], batch.experts[in_b[:, None], fold_layers])
             transitions.add(batch.experts)
             batches.add(batch.token_id)
             if ema:

@@ -22,9 +22,9 @@ m is estimated at fit time without any held-out data: the fitting requests are s
 two folds (A and B, by request), and m is the grid value whose shrunk fold-A profiles
 best predict fold-B profiles (squared error, weighted by the token's fold-B occurrences,
 over tokens seen in both folds). Fold B is counted at 8 evenly spaced layers at most;
-the other layers take the nearest sampled layer's m. On the real FLAME-MoE prefill trace m is the largest
-grid value at every layer (a token's identity says little there beyond the layer
-average); on the example model it is 0.25-1 (tokens route consistently).
+the other layers take the nearest sampled layer's m. On the real FLAME-MoE prefill trace
+m is the largest grid value at every layer (a token's identity says little there beyond
+the layer average); on the example model it is 0.25-1 (tokens route consistently).
 """
 
 from __future__ import annotations

@@ -17,8 +17,9 @@ statistic each fitting token's k activations count once in the context rows as i
 rows, so at weight 1 both weigh the same (a top-1 statistic counts the top-1 activation
 only, 1/k of the weight: measured on FLAME-MoE, scaling it up by k helped one case and hurt
 another). A load-free row goes to the device where most of its activations are local,
-which is exactly the n-gram table's prediction for c. So the extended problem's objective is the token table's local activations plus ``weight`` times
-the n-gram table's, both on the fitting data. Every solver gets the same extended problem.
+which is exactly the n-gram table's prediction for c. So the extended problem's objective
+is the token table's local activations plus ``weight`` times the n-gram table's, both on
+the fitting data. Every solver gets the same extended problem.
 :func:`restrict` drops the rows from the answer and reports on the token rows.
 
 Solving in order takes away the parallelism over layers. The layers are therefore split into

@@ -8,10 +8,10 @@
 3. a vocabulary-wide token table per layer: solved tokens keep the solver's device, and
    their confidence (the share of their fitting activations local there) is calibrated by
    the predictor's token shrinkage (:mod:`planner.predict.reliability`: a token seen a
-   times keeps ``a / (a + m)`` of its lead over the device's average share); an unseen token borrows the device of the known token the predictor maps it
-   to (nearest input embedding, paper 000 §3.3) at half that token's confidence; a token
-   with no neighbour goes to the device carrying most of the layer's expert load, with
-   confidence 0;
+   times keeps ``a / (a + m)`` of its lead over the device's average share); an unseen
+   token borrows the device of the known token the predictor maps it to (nearest input
+   embedding, paper 000 §3.3) at half that token's confidence; a token with no neighbour
+   goes to the device carrying most of the layer's expert load, with confidence 0;
 4. n-gram device tables fitted under the new placement from the predictor's top-1
    transition statistics (paper 000 App. B.1); a predictor fitted on a counts table has no
    transitions, and its plan has no n-gram tables.
