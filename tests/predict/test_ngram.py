@@ -71,13 +71,14 @@ def test_row_layout_is_base_e_with_the_most_recent_layer_last():
 
 
 def test_deterministic_chain_gives_confidence_one_and_the_right_device():
+    """The paper's table (no backoff): raw frequencies, unseen contexts undefined."""
     tokens = np.repeat(np.arange(20), 3)
     batch = chain_batch(META, tokens, np.arange(tokens.size) // 6)
     t = transitions_of(batch)
     ep = 4
     # A scrambled placement: device of expert e at layer l = (e + l) % 4 ... any valid map works.
     e2d = np.array([[(e * 3 + layer) % ep for e in range(8)] for layer in range(5)], np.int16)
-    table = fit_ngram_device_table(t, e2d, ep, order=2, target="top1")
+    table = fit_ngram_device_table(t, e2d, ep, order=2, target="top1", backoff=0)
     assert table.to_device.shape == (5, ep**2) and table.to_device.dtype == np.int16
     assert table.confidence.dtype == np.float16
     assert (table.confidence[:2] == 0).all()  # l < n: undefined
@@ -111,7 +112,9 @@ def test_identity_chain_with_contiguous_placement_is_perfectly_predictable():
     tokens = np.arange(8).repeat(4)
     batch = chain_batch(META, tokens, np.arange(tokens.size) // 4)
     e2d = contiguous_placement(META.num_layers, META.num_experts, 8)  # one expert per device
-    table = fit_ngram_device_table(transitions_of(batch), e2d, 8, order=1, target="top1")
+    table = fit_ngram_device_table(
+        transitions_of(batch), e2d, 8, order=1, target="top1", backoff=0
+    )
     ev = evaluate_ngram_device_table(table, [batch.experts], e2d, META.top_k).summary()
     assert ev["top1_device_accuracy"]["overall"] == 1.0
     device, conf = predict_devices(table, batch.experts, e2d)
@@ -135,6 +138,45 @@ def test_orders_one_to_three_and_bad_arguments():
         fit_ngram_device_table(t, e2d[:4], 2)
 
 
+def test_backoff_fills_unseen_contexts_and_tempers_rare_ones():
+    """Hand case: 3 layers, experts 0..3 on devices 0, 0, 1, 1, k = 1, EP 2, order 2, m = 2.
+    Layer 2's table interpolates each context's counts with the next lower order's."""
+    paths = [(0, 0, 0)] * 2 + [(0, 2, 3)] + [(2, 0, 0)] * 3
+    experts = np.array([[[a], [b], [c]] for a, b, c in paths], np.int16)
+    batch = TraceBatch.from_arrays(
+        np.zeros(len(paths)), np.arange(len(paths)), np.zeros(len(paths), np.int64), experts,
+        np.ones(experts.shape),
+    )  # fmt: skip
+    acc = TransitionAccumulator(3, 4)
+    acc.add(batch.experts)
+    t = acc.result()
+    e2d = np.array([[0, 0, 1, 1]] * 3, np.int16)
+    raw = fit_ngram_device_table(t, e2d, 2, order=2, target="top1", backoff=0)
+    table = fit_ngram_device_table(t, e2d, 2, order=2, target="top1", backoff=2.0)
+    # layer 2: order 0 shares d0 5/6, d1 1/6 (5 tokens end on d0, 1 on d1)
+    p0 = np.array([5 / 6, 1 / 6])
+    # order 1 (device at l-1): ctx 0 -> 5 tokens, all d0; ctx 1 -> 1 token, d1
+    p1 = {0: (np.array([5, 0]) + 2 * p0) / 7, 1: (np.array([0, 1]) + 2 * p0) / 3}
+    # order 2, row = D_{l-2} * 2 + D_{l-1}: row 0 = (0, 0) 2 tokens d0; row 1 = (0, 1) 1 token
+    # d1; row 2 = (1, 0) 3 tokens d0; row 3 = (1, 1) never seen -> backs off to p1[1]
+    p2 = {
+        0: (np.array([2, 0]) + 2 * p1[0]) / 4,
+        1: (np.array([0, 1]) + 2 * p1[1]) / 3,
+        2: (np.array([3, 0]) + 2 * p1[0]) / 5,
+        3: p1[1],
+    }
+    for row, p in p2.items():
+        assert table.to_device[2, row] == np.argmax(p), row
+        assert table.confidence[2, row] == pytest.approx(p.max(), abs=1e-3), row
+    # the raw table: the rare context (0, 1) is certain, the unseen (1, 1) undefined
+    assert raw.confidence[2, 1] == 1.0 and raw.to_device[2, 1] == 1
+    assert raw.confidence[2, 3] == 0 and raw.to_device[2, 3] == 0
+    assert table.confidence[2, 1] < 1.0
+    assert (table.confidence[:2] == 0).all()
+    with pytest.raises(InputError, match="backoff"):
+        fit_ngram_device_table(t, e2d, 2, backoff=-1.0)
+
+
 @pytest.mark.parametrize("target", ["routed", "top1"])
 @pytest.mark.parametrize("order", [1, 2])
 def test_context_affinity_summed_per_device_is_the_tables_joint_count(target, order):
@@ -148,7 +190,7 @@ def test_context_affinity_summed_per_device_is_the_tables_joint_count(target, or
     )  # fmt: skip
     t = transitions_of(batch)
     e2d = np.stack([rng.permutation(np.arange(8) % 4) for _ in range(5)])
-    table = fit_ngram_device_table(t, e2d, 4, order=order, target=target)
+    table = fit_ngram_device_table(t, e2d, 4, order=order, target=target, backoff=0)
     for layer in range(5):
         rows = ngram_context_affinity(t, e2d, layer, 4, order=order, target=target).toarray()
         assert rows.shape == (4**order, 8)
