@@ -112,9 +112,7 @@ def test_identity_chain_with_contiguous_placement_is_perfectly_predictable():
     tokens = np.arange(8).repeat(4)
     batch = chain_batch(META, tokens, np.arange(tokens.size) // 4)
     e2d = contiguous_placement(META.num_layers, META.num_experts, 8)  # one expert per device
-    table = fit_ngram_device_table(
-        transitions_of(batch), e2d, 8, order=1, target="top1", backoff=0
-    )
+    table = fit_ngram_device_table(transitions_of(batch), e2d, 8, order=1, target="top1", backoff=0)
     ev = evaluate_ngram_device_table(table, [batch.experts], e2d, META.top_k).summary()
     assert ev["top1_device_accuracy"]["overall"] == 1.0
     device, conf = predict_devices(table, batch.experts, e2d)
