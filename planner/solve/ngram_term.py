@@ -43,6 +43,13 @@ baseline's):
 CEO gains the most from the term because its global search uses the combined objective. A
 local polish of an independently solved placement under the extended objective helped the
 baselines more than CEO.
+
+Tried and not kept: *forward rows*, scoring layer l's placement also as layer l+1's context
+(one load-free row per expert of layer l+1, its activations counted against the tokens'
+top-1 expert at layer l; weighted by the share of token occurrences the predictor's token
+shrinkage discounts, so near 0 on the example and near 1 on FLAME-MoE). On the 36-case sweep
+CEO's mean balanced LAR on FLAME stayed at 0.3059 (EP 16 +1-3% but one case -6%, EP 4 -0.5%),
+and at EP 32 it did not close the gap to k-means (top-1 statistic 0.971 and 0.963 of it).
 """
 
 from __future__ import annotations
