@@ -30,9 +30,10 @@ smoothing, as in n-gram language models): ``P_j(d | c) = (count(c, d) + m P_{j-1
 / (count(c) + m)``, where c' is c without its oldest layer and ``P_0`` is the layer's device
 shares; m = :data:`BACKOFF_COUNTS` pseudo-counts. Dense contexts keep their own estimate,
 unseen ones take the lower order's prediction and confidence. Measured on held-out halves
-(``benchmarks/compare_traces.py`` cases): FLAME-MoE balanced LAR +2-3% at EP 16 and +4-6% at
-EP 32 for every solver (n-gram LAR +5% and +14%); EP 4-8 and the example model unchanged
-within 0.1%.
+(``benchmarks/compare_traces.py``, every solver's balanced LAR against the table without
+backoff): FLAME-MoE +1.5-1.9% on average at EP 16 (up to +4%) and +3.6-7.6% at EP 32 (4
+solvers x 2 cases); EP 4-8 on FLAME-MoE and EP 2-8 on the example move by less than 1% either
+way, the noise of CEO's time budget.
 
 Table layout (DESIGN.md bundle ``ngram_to_device`` / ``ngram_confidence``): row index of a
 context = the base-E number of the devices at layers l-n .. l-1 with the most recent layer
