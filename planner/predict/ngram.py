@@ -31,9 +31,9 @@ smoothing, as in n-gram language models): ``P_j(d | c) = (count(c, d) + m P_{j-1
 shares; m = :data:`BACKOFF_COUNTS` pseudo-counts. Dense contexts keep their own estimate,
 unseen ones take the lower order's prediction and confidence. Measured on held-out halves
 (``benchmarks/compare_traces.py``, every solver's balanced LAR against the table without
-backoff): FLAME-MoE +1.5-1.9% on average at EP 16 (up to +4%) and +3.6-7.6% at EP 32 (4
-solvers x 2 cases); EP 4-8 on FLAME-MoE and EP 2-8 on the example move by less than 1% either
-way, the noise of CEO's time budget.
+backoff): FLAME-MoE +1.5-1.9% on average at EP 16 (up to +4%) and +2.2-7.9% at EP 32 (mean
++4.8%, 4 solvers x 4 cases); EP 2-8 on FLAME-MoE and on the example move by less than 1%
+either way, the noise of CEO's time budget.
 
 Table layout (DESIGN.md bundle ``ngram_to_device`` / ``ngram_confidence``): row index of a
 context = the base-E number of the devices at layers l-n .. l-1 with the most recent layer
