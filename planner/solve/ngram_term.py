@@ -17,8 +17,8 @@ statistic each fitting token's k activations count once in the context rows as i
 rows, so at weight 1 both weigh the same (a top-1 statistic counts the top-1 activation
 only, 1/k of the weight). Scaling the weight up by k for the top-1 statistic (3 on FLAME-MoE,
 2 on the example), measured with backoff and calibrated tokens: CEO's own balanced LAR on
-FLAME-MoE rose 2-6% at EP 4, fell about 2% at EP 8, moved -3.5% to +0.7% at EP 16 and 0 to
-+2% at EP 32 (mean +1%); the baselines lost more (k-means -4% to -8% at EP 16), and on the
+FLAME-MoE rose 1.6-6% at EP 4, fell 2-4% at EP 8, moved -3.5% to +0.7% at EP 16 and 0 to
++2% at EP 32 (mean +1%); the baselines lost more (k-means -2% to -8% at EP 16), and on the
 example CEO fell behind k-means in all 9 cases (0.971-0.998). So the weight stays 0.5. A load-free row goes to the device where most of its activations are local,
 which is exactly the n-gram table's prediction for c. So the extended problem's objective
 is the token table's local activations plus ``weight`` times the n-gram table's, both on
