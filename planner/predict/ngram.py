@@ -286,8 +286,9 @@ def fit_ngram_device_table(
             # context c backs off to its most recent j-1 devices: row c mod E**(j-1)
             lower = shares[np.arange(ep_size**j) % shares.shape[0]]
             shares = (joint + backoff * lower) / np.maximum(total + backoff, 1e-300)[:, None]
-        # Ties go to the device of the top-1 expert (exact ties are common when k experts
-        # spread evenly over devices).
+        # ``cell`` and ``total`` are now order n's (the loop's last step). Ties go to the
+        # device of the top-1 expert (exact ties are common when k experts spread evenly
+        # over devices).
         top1 = tuples[:, _RANK] == 0
         top1_joint = np.bincount(
             cell[top1], weights=weights[top1], minlength=rows_per_layer * ep_size

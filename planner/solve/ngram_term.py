@@ -15,14 +15,11 @@ activations of layer l's experts by the fitting tokens in context c
 (:func:`planner.predict.ngram.ngram_context_affinity`), times ``weight``. For a routed
 statistic each fitting token's k activations count once in the context rows as in the token
 rows, so at weight 1 both weigh the same (a top-1 statistic counts the top-1 activation
-only, 1/k of the weight). Scaling the weight up by k for the top-1 statistic (3 on FLAME-MoE,
-2 on the example), measured with backoff and calibrated tokens: CEO's own balanced LAR on
-FLAME-MoE rose 1.6-6% at EP 4, fell 2-4% at EP 8, moved -3.5% to +0.7% at EP 16 and 0 to
-+2% at EP 32 (mean +1%); the baselines lost more (k-means -2% to -8% at EP 16), and on the
-example CEO fell behind k-means in all 9 cases (0.971-0.998). So the weight stays 0.5. A load-free row goes to the device where most of its activations are local,
-which is exactly the n-gram table's prediction for c. So the extended problem's objective
-is the token table's local activations plus ``weight`` times the n-gram table's, both on
-the fitting data. Every solver gets the same extended problem.
+only, 1/k of the weight; scaling it up by k did not pay, see the end of this doc). A
+load-free row goes to the device where most of its activations are local, which is exactly
+the n-gram table's prediction for c. So the extended problem's objective is the token
+table's local activations plus ``weight`` times the n-gram table's, both on the fitting
+data. Every solver gets the same extended problem.
 :func:`restrict` drops the rows from the answer and reports on the token rows.
 
 Solving in order takes away the parallelism over layers. The layers are therefore split into
@@ -47,12 +44,20 @@ CEO gains the most from the term because its global search uses the combined obj
 local polish of an independently solved placement under the extended objective helped the
 baselines more than CEO.
 
-Tried and not kept: *forward rows*, scoring layer l's placement also as layer l+1's context
-(one load-free row per expert of layer l+1, its activations counted against the tokens'
-top-1 expert at layer l; weighted by the share of token occurrences the predictor's token
-shrinkage discounts, so near 0 on the example and near 1 on FLAME-MoE). On the 36-case sweep
-CEO's mean balanced LAR on FLAME stayed at 0.3059 (EP 16 +1-3% but one case -6%, EP 4 -0.5%),
-and at EP 32 it did not close the gap to k-means (top-1 statistic 0.971 and 0.963 of it).
+Tried and not kept (measured with n-gram backoff and calibrated token confidences):
+
+- *the weight scaled up by k for the top-1 statistic* (3 on FLAME-MoE, 2 on the example):
+  CEO's own balanced LAR on FLAME-MoE rose 1.6-6% at EP 4, fell 2-4% at EP 8, moved -3.5%
+  to +0.7% at EP 16 and 0 to +2% at EP 32 (mean +1%); the baselines lost more (k-means -2%
+  to -8% at EP 16), and on the example CEO fell behind k-means in all 9 cases
+  (0.971-0.998). So the weight stays 0.5 for both statistics;
+- *forward rows*, scoring layer l's placement also as layer l+1's context
+  (one load-free row per expert of layer l+1, its activations counted against the tokens'
+  top-1 expert at layer l; weighted by the share of token occurrences the predictor's token
+  shrinkage discounts, so near 0 on the example and near 1 on FLAME-MoE). On the 36-case
+  sweep CEO's mean balanced LAR on FLAME stayed at 0.3059 (EP 16 +1-3% but one case -6%,
+  EP 4 -0.5%), and at EP 32 it did not close the gap to k-means (top-1 statistic 0.971 and
+  0.963 of it).
 """
 
 from __future__ import annotations
