@@ -132,13 +132,22 @@ def comparison_table(result: dict, title: str) -> Table:
     table = Table(title=title, title_justify="left")
     cols = [("method", "method"), ("lar_balanced", "LAR bal."), ("lar", "LAR"), ("lar_token", "token"),
             ("lar_ngram", "n-gram"), ("token_imbalance_balanced", "tok.imb."), ("expert_load_imbalance", "exp.imb."),
-            ("gap_to_bound", "gap to bound"), ("ratio_to_best_baseline", "vs best base."), ("ratio_to_vanilla", "vs vanilla"),
-            ("seconds", "seconds")]  # fmt: skip
+            ("gap_to_bound", "gap to bound"), ("ratio_to_best_baseline", "vs best base."), ("ratio_ci90", "90% CI"),
+            ("ratio_to_vanilla", "vs vanilla"), ("seconds", "seconds")]  # fmt: skip
     for _, head in cols:
         table.add_column(head, justify="left" if head == "method" else "right")
-    fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
+
+    def fmt(v) -> str:
+        if isinstance(v, list):  # an interval
+            return f"{v[0]:.3f}-{v[1]:.3f}"
+        return "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
+
     for r in result["rows"]:
         table.add_row(*(fmt(r.get(c)) for c, _ in cols))
     bound, van = result["oracle_bound"], result["lar_vanilla"]
-    table.caption = f"per-token oracle bound {fmt(bound)}; positional vanilla LAR {fmt(van)}; best baseline {result['best_baseline']}"
+    table.caption = (
+        f"per-token oracle bound {fmt(bound)}; positional vanilla LAR {fmt(van)}; best baseline "
+        f"{result['best_baseline']}; 90% CI: paired bootstrap of the ratio over the "
+        f"{result['requests']} held-out requests"
+    )
     return table

@@ -42,19 +42,28 @@ class EvalConfig:
         slack: cap factor, at most ceil(slack * B / E) tokens per device and batch.
         hidden_size: model hidden size for all-to-all bytes (0 = report activations only).
         dtype_bytes: bytes per hidden element on the wire (2 for bf16).
+        per_request: also report each held-out request's balanced local activations
+            (``"per_request"``), for paired comparisons of plans on the same trace
+            (:func:`planner.evaluate.compare.ratio_interval`).
     """
 
     batch_tokens: int = 4096
     slack: float = 1.1
     hidden_size: int = 0
     dtype_bytes: int = 2
+    per_request: bool = False
 
 
 class _Acc:
     """Per-layer running sums over the held-out trace."""
 
-    def __init__(self, num_layers: int, num_experts: int, ep_size: int, vocab: int):
+    def __init__(
+        self, num_layers: int, num_experts: int, ep_size: int, vocab: int, requests: np.ndarray
+    ):
         z = lambda *s: np.zeros(s, np.float64)  # noqa: E731
+        self.request_ids = requests  # sorted
+        self.request_tokens = z(requests.size)
+        self.request_local = z(requests.size)  # balanced local activations, all layers
         big_l, e = num_layers, ep_size
         self.occurrences = z(big_l)
         self.local = {k: z(big_l) for k in ("token", "ngram", "online", "balanced", "vanilla")}
@@ -142,7 +151,7 @@ def evaluate_bundle(bundle: Bundle, trace: Trace, config: EvalConfig | None = No
     big_l, n, k, e = meta.num_layers, meta.num_experts, meta.top_k, bundle.ep_size
     order = bundle.ngram_order
     lengths = _request_lengths(trace)
-    acc = _Acc(big_l, n, e, meta.vocab_size)
+    acc = _Acc(big_l, n, e, meta.vocab_size, np.fromiter(sorted(lengths), np.int64))
     layers = np.arange(big_l)
     vanilla_expert_device = np.arange(n) // (n // e)
 
@@ -173,6 +182,13 @@ def evaluate_bundle(bundle: Bundle, trace: Trace, config: EvalConfig | None = No
         balanced = assign_with_capacity(chosen.T, conf.T, cap, e, second.T, second_conf.T).T
 
         acc.occurrences += t
+        req = np.searchsorted(acc.request_ids, chunk.request_id)
+        acc.request_tokens += np.bincount(req, minlength=acc.request_ids.size)
+        acc.request_local += np.bincount(
+            req,
+            weights=(expert_device == balanced[..., None]).sum(axis=(1, 2)),
+            minlength=acc.request_ids.size,
+        )
         acc.local["token"] += (expert_device == token_dev[..., None]).sum(axis=(0, 2))
         ng = (expert_device == ngram_dev[..., None]).sum(axis=(0, 2))
         acc.local["ngram"][order:] += ng[order:]
@@ -265,11 +281,18 @@ def _report(acc: _Acc, bundle: Bundle, cfg: EvalConfig, k: int, per_device: int)
         "all_to_all_bytes": int(remote_b * bytes_per) if bytes_per else None,
         "all_to_all_bytes_vanilla": int(remote_v * bytes_per) if bytes_per else None,
     }
-    return {
+    report = {
         "overall": overall,
         "per_layer": per_layer,
         "config": asdict(cfg) | {"ep_size": bundle.ep_size},
     }
+    if cfg.per_request:
+        report["per_request"] = {
+            "request_id": acc.request_ids.tolist(),
+            "tokens": acc.request_tokens.astype(np.int64).tolist(),
+            "local_balanced": acc.request_local.astype(np.int64).tolist(),
+        }
+    return report
 
 
 def _num(x) -> float | None:

@@ -9,6 +9,7 @@ import pytest
 
 from planner.errors import MismatchError
 from planner.evaluate import EvalConfig, evaluate_bundle
+from planner.evaluate.compare import ratio_interval
 from planner.export.bundle import Bundle
 from planner.trace import TraceMeta, open_trace, write_trace
 from tests.conftest import random_batch
@@ -84,6 +85,38 @@ def test_matches_reference_loop(tmp_path, ep, order):
     assert ov["lar_ngram"] == pytest.approx(lar_ngram, abs=1e-6)
     assert ov["remote_fraction_vanilla"] == pytest.approx(remote_vanilla, abs=1e-6)
     assert len(report["per_layer"]) == 4
+    assert "per_request" not in report
+
+
+def test_per_request_sums_to_the_balanced_lar(tmp_path):
+    meta = TraceMeta("test/m", num_layers=3, num_experts=8, top_k=2, vocab_size=30)
+    batch = random_batch(meta, 200, seed=3, requests=6)
+    path = write_trace(tmp_path / "t.parquet", meta, batch)
+    bundle = _random_bundle(meta, 4, 1, seed=2)
+    report = evaluate_bundle(bundle, open_trace(path), EvalConfig(batch_tokens=64, per_request=True))
+    per = report["per_request"]
+    ids, counts = np.unique(batch.request_id, return_counts=True)
+    assert per["request_id"] == ids.tolist() and per["tokens"] == counts.tolist()
+    local = np.asarray(per["local_balanced"])
+    assert (local >= 0).all() and (local <= counts * 3 * 2).all()
+    assert local.sum() / (200 * 3 * 2) == pytest.approx(report["overall"]["lar_balanced"], abs=1e-6)
+
+
+def test_ratio_interval():
+    rng = np.random.default_rng(0)
+    b = rng.integers(50, 100, 40).astype(float)
+    assert ratio_interval(b, b) == (1.0, 1.0)
+    low, high = ratio_interval(2 * b, b)
+    assert low == pytest.approx(2.0) and high == pytest.approx(2.0)
+    assert ratio_interval(b[:1], b[:1]) is None
+    # 5% better on every request but one, where it is far worse: the interval spans the
+    # resamples that draw that request never to several times.
+    a = b * 1.05
+    a[0], b[0] = 10.0, 1000.0
+    point = a.sum() / b.sum()
+    low, high = ratio_interval(a, b)
+    assert low < point < high and high - low > 0.1
+    assert ratio_interval(a, b) == (low, high)  # seeded: reruns agree
 
 
 def test_balanced_caps_every_batch_and_perfect_plan(tmp_path):

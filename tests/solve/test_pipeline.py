@@ -83,6 +83,14 @@ def test_compare_rows_and_ratios(pipeline):
         assert r["gap_to_bound"] == pytest.approx(
             result["oracle_bound"] - r["lar_balanced"], abs=1e-6
         )
+    # Paired bootstrap over the held-out requests: none for the best baseline itself; an
+    # interval around the point ratio for the others.
+    assert result["requests"] == len(open_trace(d / "held").request_ids())
+    assert rows["metis"]["ratio_ci90"] is None
+    for name in ("ceo", "vanilla"):
+        low, high = rows[name]["ratio_ci90"]
+        assert low <= rows[name]["ratio_to_best_baseline"] <= high
+    assert rows["vanilla"]["ratio_ci90"][1] < 1  # vanilla is worse on every resample
 
 
 def test_errors(pipeline):
