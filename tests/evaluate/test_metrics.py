@@ -93,7 +93,9 @@ def test_per_request_sums_to_the_balanced_lar(tmp_path):
     batch = random_batch(meta, 200, seed=3, requests=6)
     path = write_trace(tmp_path / "t.parquet", meta, batch)
     bundle = _random_bundle(meta, 4, 1, seed=2)
-    report = evaluate_bundle(bundle, open_trace(path), EvalConfig(batch_tokens=64, per_request=True))
+    report = evaluate_bundle(
+        bundle, open_trace(path), EvalConfig(batch_tokens=64, per_request=True)
+    )
     per = report["per_request"]
     ids, counts = np.unique(batch.request_id, return_counts=True)
     assert per["request_id"] == ids.tolist() and per["tokens"] == counts.tolist()
