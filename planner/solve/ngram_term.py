@@ -57,7 +57,17 @@ Tried and not kept (measured with n-gram backoff and calibrated token confidence
   shrinkage discounts, so near 0 on the example and near 1 on FLAME-MoE). On the 36-case
   sweep CEO's mean balanced LAR on FLAME stayed at 0.3059 (EP 16 +1-3% but one case -6%,
   EP 4 -0.5%), and at EP 32 it did not close the gap to k-means (top-1 statistic 0.971 and
-  0.963 of it).
+  0.963 of it). Forward rows at weight 1 on only the first n layers of each run (the ones
+  without context rows), FLAME-MoE split seed 1, routed, EP 2: CEO 0.6515 -> 0.6572, but
+  k-means, given the same rows, 0.6576 -> 0.6619.
+
+Where CEO still loses (FLAME-MoE, EP 2 and EP 32; ``compare_traces.py --ep 2,32``), it is
+not the search: solving each layer's extended problem with every method, with CEO's
+placements of the earlier layers as context, CEO's objective is the best or tied at every
+layer. The loss comes from the chain. k-means' own placements of layers l-n .. l-1 make
+contexts that predict layer l better (FLAME-MoE seed 1, routed, EP 2: n-gram LAR on the
+*fitting* data 0.710 against CEO's 0.698), and a per-layer objective cannot see what a
+placement will be worth as context for the layers after it.
 """
 
 from __future__ import annotations
