@@ -61,13 +61,16 @@ Tried and not kept (measured with n-gram backoff and calibrated token confidence
   without context rows), FLAME-MoE split seed 1, routed, EP 2: CEO 0.6515 -> 0.6572, but
   k-means, given the same rows, 0.6576 -> 0.6619.
 
-Where CEO still loses (FLAME-MoE, EP 2 and EP 32; ``compare_traces.py --ep 2,32``), it is
-not the search: solving each layer's extended problem with every method, with CEO's
-placements of the earlier layers as context, CEO's objective is the best or tied at every
-layer. The loss comes from the chain. k-means' own placements of layers l-n .. l-1 make
-contexts that predict layer l better (FLAME-MoE seed 1, routed, EP 2: n-gram LAR on the
-*fitting* data 0.710 against CEO's 0.698), and a per-layer objective cannot see what a
-placement will be worth as context for the layers after it.
+Where CEO still loses (FLAME-MoE, EP 2 and EP 32; ``compare_traces.py --ep 2,32``), the
+search is not the main cause. Each layer's extended problem was solved with every method,
+with CEO's placements of the earlier layers as context. At EP 2 (seed 1, routed) CEO's
+objective is the best or tied at every layer; at EP 32 (seed 1, top-1) it trails k-means'
+raw objective at 3 of 8 layers by at most 0.8% (CEO scores net of the batch cap), and adding
+k-means' placement to CEO's candidates left the held-out balanced LAR at 0.1026. The loss
+comes from the chain. k-means' own placements of layers l-n .. l-1 make contexts that
+predict layer l better (EP 2: n-gram LAR on the *fitting* data 0.710 against CEO's 0.698),
+and a per-layer objective cannot see what a placement will be worth as context for the
+layers after it.
 """
 
 from __future__ import annotations
