@@ -58,12 +58,12 @@ class _Acc:
     """Per-layer running sums over the held-out trace."""
 
     def __init__(
-        self, num_layers: int, num_experts: int, ep_size: int, vocab: int, requests: np.ndarray
+        self, num_layers: int, num_experts: int, ep_size: int, vocab: int, lengths: dict[int, int]
     ):
         z = lambda *s: np.zeros(s, np.float64)  # noqa: E731
-        self.request_ids = requests  # sorted
-        self.request_tokens = z(requests.size)
-        self.request_local = z(requests.size)  # balanced local activations, all layers
+        self.request_ids = np.fromiter(sorted(lengths), np.int64, len(lengths))
+        self.request_tokens = [lengths[r] for r in self.request_ids.tolist()]
+        self.request_local = z(self.request_ids.size)  # balanced local activations, all layers
         big_l, e = num_layers, ep_size
         self.occurrences = z(big_l)
         self.local = {k: z(big_l) for k in ("token", "ngram", "online", "balanced", "vanilla")}
@@ -84,10 +84,11 @@ def _local_and_remote(expert_device: np.ndarray, chosen: np.ndarray, ep_size: in
         chosen: [T, L] device each token was sent to.
 
     Returns:
-        local [L] sums, remote [L] sums (distinct devices other than the chosen one that a
-        token's experts live on -- one dispatch each), touched [L] sums (distinct devices).
+        local [T, L] (routed experts on the chosen device), remote [L] sums (distinct
+        devices other than the chosen one that a token's experts live on -- one dispatch
+        each), touched [L] sums (distinct devices).
     """
-    local = (expert_device == chosen[..., None]).sum(axis=(0, 2))
+    local = (expert_device == chosen[..., None]).sum(axis=2)
     onehot = np.zeros(expert_device.shape[:2] + (ep_size,), bool)
     t_idx, l_idx, _ = np.indices(expert_device.shape, sparse=True)
     onehot[t_idx, l_idx, expert_device] = True
@@ -151,7 +152,7 @@ def evaluate_bundle(bundle: Bundle, trace: Trace, config: EvalConfig | None = No
     big_l, n, k, e = meta.num_layers, meta.num_experts, meta.top_k, bundle.ep_size
     order = bundle.ngram_order
     lengths = _request_lengths(trace)
-    acc = _Acc(big_l, n, e, meta.vocab_size, np.fromiter(sorted(lengths), np.int64))
+    acc = _Acc(big_l, n, e, meta.vocab_size, lengths)
     layers = np.arange(big_l)
     vanilla_expert_device = np.arange(n) // (n // e)
 
@@ -182,13 +183,6 @@ def evaluate_bundle(bundle: Bundle, trace: Trace, config: EvalConfig | None = No
         balanced = assign_with_capacity(chosen.T, conf.T, cap, e, second.T, second_conf.T).T
 
         acc.occurrences += t
-        req = np.searchsorted(acc.request_ids, chunk.request_id)
-        acc.request_tokens += np.bincount(req, minlength=acc.request_ids.size)
-        acc.request_local += np.bincount(
-            req,
-            weights=(expert_device == balanced[..., None]).sum(axis=(1, 2)),
-            minlength=acc.request_ids.size,
-        )
         acc.local["token"] += (expert_device == token_dev[..., None]).sum(axis=(0, 2))
         ng = (expert_device == ngram_dev[..., None]).sum(axis=(0, 2))
         acc.local["ngram"][order:] += ng[order:]
@@ -200,7 +194,12 @@ def evaluate_bundle(bundle: Bundle, trace: Trace, config: EvalConfig | None = No
             ("vanilla", np.broadcast_to(van[:, None], (t, big_l)), vanilla_expert_device[experts]),
         ):
             local, remote, touched = _local_and_remote(edev, np.ascontiguousarray(dev), e)
-            acc.local[name] += local
+            acc.local[name] += local.sum(axis=0)
+            if name == "balanced" and cfg.per_request:
+                req = np.searchsorted(acc.request_ids, chunk.request_id)
+                acc.request_local += np.bincount(
+                    req, weights=local.sum(axis=1), minlength=acc.request_ids.size
+                )
             acc.remote[name] += remote
             acc.touched[name] += touched
             if name in acc.tokens_on:
@@ -289,7 +288,7 @@ def _report(acc: _Acc, bundle: Bundle, cfg: EvalConfig, k: int, per_device: int)
     if cfg.per_request:
         report["per_request"] = {
             "request_id": acc.request_ids.tolist(),
-            "tokens": acc.request_tokens.astype(np.int64).tolist(),
+            "tokens": acc.request_tokens,
             "local_balanced": acc.request_local.astype(np.int64).tolist(),
         }
     return report
