@@ -51,7 +51,9 @@ def solve(
         DEFAULT_WEIGHT,
         "--ngram-weight",
         help="Weight of the n-gram term: layers solved in order, each placement also chosen "
-        "for its n-gram table (0 = layers independent).",
+        "for its n-gram table (0 = layers independent). Layers whose tokens do not carry "
+        "over to new requests (the fitted token shrinkage) weigh it up to 2x (2x sqrt(k) for "
+        "the top-1 statistic).",
     ),
     options: str = typer.Option(None, "--options", help="Per-method solver options as JSON."),
     as_json: bool = typer.Option(False, "--json", help="Print the per-layer reports as JSON."),

@@ -123,3 +123,18 @@ def shrink_confidence(
     weight = a / (a + m)
     out = np.where(a > 0, base + weight * (conf - base), conf)
     return out.clip(0.0, 1.0)
+
+
+def discounted_share(occurrences: np.ndarray, m: float) -> float:
+    """Share of the token occurrences the shrinkage discounts: ``sum a m/(a+m) / sum a``.
+
+    0 when every token's own routing is trusted (m = 0, or tokens seen far more than m
+    times); near 1 when a token's identity says little beyond the layer average (m far
+    above the typical count). The n-gram term (:mod:`planner.solve.ngram_term`) uses it to
+    weigh the n-gram table against the token table.
+    """
+    a = np.asarray(occurrences, np.float64)
+    total = float(a.sum())
+    if m <= 0 or total <= 0:
+        return 0.0
+    return float((a * m / (a + m)).sum() / total)

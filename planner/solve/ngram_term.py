@@ -12,14 +12,13 @@ rows never sees that.
 The term: once layers l-n .. l-1 are placed, layer l's problem gets one extra *load-free*
 row per n-gram context c (a_c = 0, see :mod:`planner.solve.problem`). Row c holds the
 activations of layer l's experts by the fitting tokens in context c
-(:func:`planner.predict.ngram.ngram_context_affinity`), times ``weight``. For a routed
-statistic each fitting token's k activations count once in the context rows as in the token
-rows, so at weight 1 both weigh the same (a top-1 statistic counts the top-1 activation
-only, 1/k of the weight; scaling it up by k did not pay, see the end of this doc). A
-load-free row goes to the device where most of its activations are local, which is exactly
-the n-gram table's prediction for c. So the extended problem's objective is the token
-table's local activations plus ``weight`` times the n-gram table's, both on the fitting
-data. Every solver gets the same extended problem.
+(:func:`planner.predict.ngram.ngram_context_affinity`), times the layer's factor (below).
+For a routed statistic each fitting token's k activations count once in the context rows as
+in the token rows, so at factor 1 both weigh the same (a top-1 statistic counts the top-1
+activation only, 1/k of the weight). A load-free row goes to the device where most of its
+activations are local, which is exactly the n-gram table's prediction for c. So the
+extended problem's objective is the token table's local activations plus the factor times
+the n-gram table's, both on the fitting data. Every solver gets the same extended problem.
 :func:`restrict` drops the rows from the answer and reports on the token rows.
 
 Solving in order takes away the parallelism over layers. The layers are therefore split into
@@ -28,49 +27,62 @@ with each other, and the layers of a run in order. The first n layers of every r
 first have no placed predecessors, so they are solved without the term. Runs depend on the
 layer count only, not on ``--jobs``, so neither does the plan.
 
+How much the n-gram table is worth against the token table depends on whether a token's
+fitted routing carries over to new requests. The predictor's token shrinkage m says so per
+layer (:mod:`planner.predict.reliability`), and u, the share of token occurrences it
+discounts (:func:`planner.predict.reliability.discounted_share`), sets each layer's factor
+(:meth:`NgramTerm.layer_weight`): ``weight`` where tokens are reliable (u near 0: the
+example model, u = 0.03-0.09, factor 0.52-0.63), twice that where they are not (u near 1:
+FLAME-MoE, u = 0.97-1.0, factor about 1 for the routed statistic), and a further sqrt(k)
+for the top-1 statistic, whose rows hold 1/k of the activations (factor about 2.4 on
+FLAME-MoE, k = 6).
+
 Measured by ``benchmarks/compare_traces.py`` (36 held-out cases: FLAME-MoE and the example
 model, 3 split seeds, 3 EP sizes, 2 n-gram statistics; CEO's balanced LAR over the best
-baseline's):
+baseline's; every method solves the same extended problems):
 
 - weight 0 (layers independent): CEO wins 23 cases, mean ratio 1.014, min 0.955;
-- weight 0.5 (the default): wins 24, mean 1.012, min 0.973; mean CEO balanced LAR
-  0.4576 on the example and 0.2865 on FLAME;
-- weight 1: wins 18, mean 1.013, min 0.969. FLAME alone does best here (17 of 18 cases,
-  mean 1.040, CEO 0.2905). On the example CEO loses 17 of 18 by up to 3%: there every
-  method concentrates tokens harder, and the runtime cap on the example's single-domain
-  batches takes more of it back from CEO than from the others.
+- weight 0.5 everywhere: wins 24, mean 1.012, min 0.973 (later, with n-gram backoff and
+  calibrated token confidences: wins 32, mean 1.021, min 0.992);
+- weight 1 everywhere: wins 18, mean 1.013, min 0.969. FLAME alone does best here (17 of 18
+  cases, mean 1.040). On the example CEO loses 17 of 18 by up to 3%: there every method
+  concentrates tokens harder, and the runtime cap on the example's single-domain batches
+  takes more of it back from CEO than from the others;
+- the per-layer factor above (the default): wins **34**, mean **1.029**, min 0.996; all 18
+  FLAME cases won (1.019-1.081), the two losses (example, top-1, 0.996 and 0.997) inside
+  their 90% intervals. At the edges (``--ep 2,32 --sources flame --seeds 0,1``) the mean
+  ratio went from 0.996 (weight 0.5: two losses beyond the interval, EP 32 top-1 0.961 and
+  EP 2 routed 0.991) to 1.008 (four losses of at most 1%, none beyond it). For the top-1
+  statistic at the edges, FLAME-MoE factor 1 / 2.4 (the default) / 6 (the top-1
+  activation counted for all k): EP 2 1.004 and 1.002 / 0.994 and 0.996 / 0.992 and 0.991;
+  EP 32 0.998 and 0.976 / 1.041 and 0.990 / 1.059 and 1.001 (split seeds 0 and 1).
 
 CEO gains the most from the term because its global search uses the combined objective. A
 local polish of an independently solved placement under the extended objective helped the
 baselines more than CEO.
 
-Tried and not kept (measured with n-gram backoff and calibrated token confidences):
+Tried and not kept (measured with n-gram backoff and calibrated token confidences, at
+weight 0.5 everywhere):
 
-- *the weight scaled up by k for the top-1 statistic* (3 on FLAME-MoE, 2 on the example):
-  CEO's own balanced LAR on FLAME-MoE rose 1.6-6% at EP 4, fell 2-4% at EP 8, moved -3.5%
-  to +0.7% at EP 16 and 0 to +2% at EP 32 (mean +1%); the baselines lost more (k-means -2%
-  to -8% at EP 16), and on the example CEO fell behind k-means in all 9 cases
-  (0.971-0.998). So the weight stays 0.5 for both statistics;
+- *the weight scaled up by k for the top-1 statistic on both sources* (3 on FLAME-MoE, 2
+  on the example): on the example CEO fell behind k-means in all 9 cases (0.971-0.998);
 - *forward rows*, scoring layer l's placement also as layer l+1's context
   (one load-free row per expert of layer l+1, its activations counted against the tokens'
-  top-1 expert at layer l; weighted by the share of token occurrences the predictor's token
-  shrinkage discounts, so near 0 on the example and near 1 on FLAME-MoE). On the 36-case
-  sweep CEO's mean balanced LAR on FLAME stayed at 0.3059 (EP 16 +1-3% but one case -6%,
-  EP 4 -0.5%), and at EP 32 it did not close the gap to k-means (top-1 statistic 0.971 and
-  0.963 of it). Forward rows at weight 1 on only the first n layers of each run (the ones
-  without context rows), FLAME-MoE split seed 1, routed, EP 2: CEO 0.6515 -> 0.6572, but
-  k-means, given the same rows, 0.6576 -> 0.6619.
+  top-1 expert at layer l; weighted by u). On the 36-case sweep CEO's mean balanced LAR on
+  FLAME stayed at 0.3059 (EP 16 +1-3% but one case -6%, EP 4 -0.5%), and at EP 32 it did
+  not close the gap to k-means (top-1 statistic 0.971 and 0.963 of it). Forward rows at
+  weight 1 on only the first n layers of each run (the ones without context rows),
+  FLAME-MoE split seed 1, routed, EP 2: CEO 0.6515 -> 0.6572, but k-means, given the same
+  rows, 0.6576 -> 0.6619;
+- *token rows scaled by the token shrinkage a / (a + m)*: every method lost 2-18% on
+  FLAME-MoE.
 
-Where CEO still loses (FLAME-MoE, EP 2 and EP 32; ``compare_traces.py --ep 2,32``), the
-search is not the main cause. Each layer's extended problem was solved with every method,
-with CEO's placements of the earlier layers as context. At EP 2 (seed 1, routed) CEO's
-objective is the best or tied at every layer; at EP 32 (seed 1, top-1) it trails k-means'
-raw objective at 3 of 8 layers by at most 0.8% (CEO scores net of the batch cap), and adding
-k-means' placement to CEO's candidates left the held-out balanced LAR at 0.1026. The loss
-comes from the chain. k-means' own placements of layers l-n .. l-1 make contexts that
-predict layer l better (EP 2: n-gram LAR on the *fitting* data 0.710 against CEO's 0.698),
-and a per-layer objective cannot see what a placement will be worth as context for the
-layers after it.
+What remains at the edges is a chain effect. At weight 0.5, each layer's extended problem
+solved with every method (CEO's placements of the earlier layers as context): at EP 2
+(seed 1, routed) CEO's objective is the best or tied at every layer, yet k-means' own
+placements of layers l-n .. l-1 make contexts that predict layer l better (n-gram LAR on
+the *fitting* data 0.710 against CEO's 0.698). A per-layer objective cannot see what a
+placement will be worth as context for the layers after it.
 """
 
 from __future__ import annotations
@@ -104,18 +116,42 @@ class NgramTerm:
         weight: factor on the context rows' activations; 1.0 weighs a context row like
             the token rows it stands for (routed statistic).
         target: the n-gram table's target (:data:`planner.predict.ngram.TARGETS`).
+        unreliable: per layer, the share u of token occurrences the predictor's token
+            shrinkage discounts (:func:`planner.predict.reliability.discounted_share`);
+            None weighs every layer by ``weight`` alone (see :meth:`layer_weight`).
     """
 
     transitions: TopOneTransitions
     order: int
     weight: float = DEFAULT_WEIGHT
     target: str = "routed"
+    unreliable: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.weight) and self.weight > 0):
             raise InputError(f"n-gram weight {self.weight!r} must be a positive number")
         if self.target not in TARGETS:
             raise InputError(f"n-gram target {self.target!r} must be one of {', '.join(TARGETS)}")
+
+    def layer_weight(
+        self, layer: int, token_activations: float, context_activations: float
+    ) -> float:
+        """The factor on layer ``layer``'s context rows: ``weight * (1 + u (2 sqrt(r) - 1))``.
+
+        u is the layer's :attr:`unreliable` share and r = token rows' activations / context
+        rows' activations (about 1 for the routed statistic, about k for top-1, whose
+        rows count only the top-1 activation). Where the token table carries over to new
+        requests (u near 0: the example model) the factor is ``weight``. Where it does not
+        (u near 1: FLAME-MoE, whose held-out tokens are mostly unseen, so that the n-gram
+        table makes most choices) it is ``2 weight`` for the routed statistic, and
+        ``2 weight sqrt(k)`` for top-1: between counting the top-1 activation for itself
+        alone and for all k (both measured worse; see the module doc).
+        """
+        u = 0.0 if self.unreliable is None else float(self.unreliable[layer])
+        if u <= 0 or context_activations <= 0 or token_activations <= 0:
+            return self.weight
+        ratio = token_activations / context_activations
+        return self.weight * (1.0 + u * (2.0 * math.sqrt(ratio) - 1.0))
 
     def runs(self, num_layers: int) -> list[list[int]]:
         """Layer ids split into ceil(L / RUN_LAYERS) runs of consecutive layers, near-equal."""
@@ -135,7 +171,10 @@ class NgramTerm:
         rows = ngram_context_affinity(
             self.transitions, expert_to_device, layer, problem.ep_size, self.order, self.target
         )
-        rows = rows[np.flatnonzero(rows.sum(axis=1) > 0)] * self.weight
+        rows = rows[np.flatnonzero(rows.sum(axis=1) > 0)]
+        rows = rows * self.layer_weight(
+            layer, float(problem.token_activations.sum()), float(rows.sum())
+        )
         if not rows.shape[0]:
             return problem
         batch_freq = problem.batch_freq

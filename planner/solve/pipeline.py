@@ -4,7 +4,8 @@
    fitting, W = their routed activations, a = their frequencies);
 2. :func:`planner.solve.plan.solve_model` with the chosen method; when the predictor has
    transition statistics, with the n-gram term (:mod:`planner.solve.ngram_term`): layers
-   in order, each placement also chosen for the n-gram table it will get;
+   in order, each placement also chosen for the n-gram table it will get, the term weighed
+   up where the predictor's token shrinkage says tokens do not carry over to new requests;
 3. a vocabulary-wide token table per layer: solved tokens keep the solver's device, and
    their confidence (the share of their fitting activations local there) is calibrated by
    the predictor's token shrinkage (:mod:`planner.predict.reliability`: a token seen a
@@ -30,7 +31,7 @@ import numpy as np
 from planner.errors import InputError
 from planner.predict.ngram import fit_ngram_device_table
 from planner.predict.predictor import Predictor
-from planner.predict.reliability import shrink_confidence
+from planner.predict.reliability import discounted_share, shrink_confidence
 from planner.solve.metrics import token_table
 from planner.solve.ngram_term import DEFAULT_WEIGHT, NgramTerm
 from planner.solve.plan import Plan, solve_model
@@ -141,7 +142,16 @@ def make_plan(predictor: Predictor, config: PlanConfig, *, progress: bool = True
     problems = layer_problems(predictor, e, config.beta)
     term = None
     if predictor.transitions is not None and config.ngram_weight > 0:
-        term = NgramTerm(predictor.transitions, config.ngram_order, config.ngram_weight)
+        unreliable = None
+        if predictor.token_shrinkage is not None:
+            unreliable = tuple(
+                discounted_share(p.token_freq, float(m))
+                for p, m in zip(problems, predictor.token_shrinkage, strict=True)
+            )
+        term = NgramTerm(
+            predictor.transitions, config.ngram_order, config.ngram_weight,
+            unreliable=unreliable,
+        )  # fmt: skip
     placements = solve_model(
         problems, config.method, config.solver_config(), jobs=config.jobs, progress=progress,
         ngram_term=term,
@@ -159,6 +169,9 @@ def make_plan(predictor: Predictor, config: PlanConfig, *, progress: bool = True
     config_json = asdict(config) | {
         "seconds": round(time.perf_counter() - t0, 3),
         "token_shrinkage": None if shrinkage is None else shrinkage.tolist(),
+        "ngram_unreliable": None
+        if term is None or term.unreliable is None
+        else [round(u, 4) for u in term.unreliable],
     }
     return Plan(
         model=json.loads(meta.to_json()),

@@ -13,6 +13,7 @@ from planner.predict.fit import FitConfig, fit_predictor
 from planner.predict.predictor import MANIFEST, Predictor
 from planner.predict.reliability import (
     SHRINKAGE_GRID,
+    discounted_share,
     estimate_shrinkage,
     sampled_layers,
     shrink_confidence,
@@ -59,6 +60,16 @@ def test_shrink_confidence_formula():
     np.testing.assert_allclose(out, [0.25 + 0.5 * 0.65, 0.25 + 0.75 * 0.65, 0.9, 0.5 + 0.1])
     np.testing.assert_array_equal(shrink_confidence(conf, base, a, 0.0), conf)
     assert max(SHRINKAGE_GRID) > 1000  # "never trust" is on the grid
+
+
+def test_discounted_share():
+    a = np.array([1.0, 3.0])
+    # sum a m / (a + m) / sum a with m = 1: (1/2 + 3/4) / 4
+    assert discounted_share(a, 1.0) == pytest.approx(1.25 / 4)
+    assert discounted_share(a, 0.0) == 0.0
+    assert discounted_share(np.zeros(2), 4.0) == 0.0
+    assert discounted_share(a, 4096.0) > 0.99  # m far above every count: all discounted
+    assert discounted_share(a * 1e6, 0.25) < 1e-6  # every token seen far more than m
 
 
 def test_fit_estimates_shrinkage_per_layer(exact_trace, random_trace, tmp_path):

@@ -9,6 +9,7 @@ from planner.cli.main import main
 from planner.errors import InputError
 from planner.predict.fit import FitConfig, fit_predictor
 from planner.predict.ngram import ngram_context_affinity
+from planner.predict.reliability import discounted_share
 from planner.solve import ngram_term
 from planner.solve.ngram_term import NgramTerm
 from planner.solve.pipeline import PlanConfig, layer_problems, make_plan
@@ -67,6 +68,46 @@ def test_extend_appends_load_free_context_rows(predictor):
     assert term.extend(problems[1], 1, placed, run_start=0) is problems[1]
     with pytest.raises(InputError, match="weight"):
         NgramTerm(predictor.transitions, order=2, weight=0.0)
+
+
+def test_layer_weight_follows_token_reliability(predictor):
+    plain = NgramTerm(predictor.transitions, order=2, weight=0.5)
+    assert plain.layer_weight(2, 100.0, 100.0) == 0.5  # no shrinkage known: the weight
+    term = NgramTerm(predictor.transitions, order=2, weight=0.5, unreliable=(0, 0, 1.0, 0.5))
+    assert term.layer_weight(1, 100.0, 100.0) == 0.5  # u = 0: tokens carry over
+    assert term.layer_weight(2, 100.0, 100.0) == pytest.approx(1.0)  # u = 1, routed: 2w
+    assert term.layer_weight(2, 400.0, 100.0) == pytest.approx(2.0)  # top-1 rows, k = 4
+    assert term.layer_weight(3, 100.0, 100.0) == pytest.approx(0.75)  # halfway
+    assert term.layer_weight(2, 100.0, 0.0) == 0.5
+    # extend() scales the context rows by the layer's factor
+    problems = layer_problems(predictor, 4)
+    placed = np.zeros((4, 8), np.int64)
+    placed[0], placed[1] = np.arange(8) % 4, np.arange(8) // 2
+    p = problems[2]
+    base = plain.extend(p, 2, placed, run_start=0).affinity[p.num_tokens :].toarray()
+    ctx = base.sum() / 0.5
+    expect = term.layer_weight(2, float(p.token_activations.sum()), ctx) / 0.5
+    scaled = term.extend(p, 2, placed, run_start=0).affinity[p.num_tokens :].toarray()
+    np.testing.assert_allclose(scaled, expect * base)
+    assert expect > 1.9
+
+
+def test_plans_weigh_the_term_by_the_predictors_shrinkage(predictor, monkeypatch):
+    seen = []
+    original = NgramTerm.extend
+
+    def spy(self, problem, layer, placed, run_start):
+        seen.append(self.unreliable)
+        return original(self, problem, layer, placed, run_start)
+
+    monkeypatch.setattr(NgramTerm, "extend", spy)
+    plan = make_plan(predictor, PlanConfig("vanilla", ep_size=4), progress=False)
+    assert seen and len(seen[0]) == 4 and all(0 <= u <= 1 for u in seen[0])
+    assert plan.config["ngram_unreliable"] == pytest.approx(seen[0], abs=1e-4)
+    problems = layer_problems(predictor, 4)
+    assert seen[0][3] == pytest.approx(
+        discounted_share(problems[3].token_freq, float(predictor.token_shrinkage[3]))
+    )
 
 
 def test_term_raises_the_ngram_tables_fit_and_reports_on_token_rows(predictor):
