@@ -115,8 +115,10 @@ class NgramTerm:
     Attributes:
         transitions: the predictor's top-1 transition statistic.
         order: n of the n-gram tables the plan will hold.
-        weight: factor on the context rows' activations; 1.0 weighs a context row like
-            the token rows it stands for (routed statistic).
+        weight: base factor on the context rows' activations (``--ngram-weight``); each
+            layer's factor is :meth:`layer_weight`, which is ``weight`` itself where
+            tokens carry over. 1.0 weighs a context row like the token rows it stands for
+            (routed statistic).
         target: the n-gram table's target (:data:`planner.predict.ngram.TARGETS`).
         unreliable: per layer, the share u of token occurrences the predictor's token
             shrinkage discounts (:func:`planner.predict.reliability.discounted_share`);
@@ -174,9 +176,7 @@ class NgramTerm:
             self.transitions, expert_to_device, layer, problem.ep_size, self.order, self.target
         )
         rows = rows[np.flatnonzero(rows.sum(axis=1) > 0)]
-        rows = rows * self.layer_weight(
-            layer, float(problem.token_activations.sum()), float(rows.sum())
-        )
+        rows = rows * self.layer_weight(layer, problem.total_activations, float(rows.sum()))
         if not rows.shape[0]:
             return problem
         batch_freq = problem.batch_freq
