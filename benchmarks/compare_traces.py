@@ -13,10 +13,12 @@ ratio, the cases CEO loses, and those it loses beyond that interval. About 40 s 
 2 cores.
 
     python benchmarks/compare_traces.py [--seeds 0,1,2] [--sources flame,example]
-        [--ngram top1,routed] [--ngram-weight 0.5] [--ceo-options JSON] [--out FILE]
+        [--ngram top1,routed] [--ngram-weight 0.5] [--ceo-options JSON] [--chain-passes 0]
+        [--out FILE]
 
 ``--ceo-options '{"batch_aware": false}'`` measures a CEO switch's effect (the same cases,
-with and without it).
+with and without it). ``--chain-passes 2`` gives every method the chain polish
+(:mod:`planner.solve.chain`), the strongest baselines we know how to build.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ def run_case(
     jobs: int,
     ngram_weight: float,
     ceo_options: dict,
+    chain_passes: int = 0,
 ) -> dict:
     held = work / f"{trace.stem}_held{seed}"
     if not held.exists():
@@ -82,7 +85,13 @@ def run_case(
         predictor,
         open_trace(held),
         METHODS,
-        PlanConfig(ep_size=ep, jobs=jobs, ngram_weight=ngram_weight, options={"ceo": ceo_options}),
+        PlanConfig(
+            ep_size=ep,
+            jobs=jobs,
+            ngram_weight=ngram_weight,
+            options={"ceo": ceo_options},
+            chain_passes=chain_passes,
+        ),  # fmt: skip
     )
     rows = {r["method"]: r for r in result["rows"]}
     best = max(BASELINES, key=lambda m: rows[m]["lar_balanced"])
@@ -112,6 +121,7 @@ def main(argv=None) -> int:
         "--ngram-weight", type=float, default=DEFAULT_WEIGHT, help="n-gram term (0: off)"
     )
     ap.add_argument("--ceo-options", type=json.loads, default={}, help="CEO options (JSON)")
+    ap.add_argument("--chain-passes", type=int, default=0, help="chain polish sweeps")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     started = time.perf_counter()
@@ -135,6 +145,7 @@ def main(argv=None) -> int:
                                 args.jobs,
                                 args.ngram_weight,
                                 args.ceo_options,
+                                args.chain_passes,
                             ),
                         }
                         cases.append(case)
@@ -154,6 +165,7 @@ def main(argv=None) -> int:
             "cases": len(cases),
             "ngram_weight": args.ngram_weight,
             "ceo_options": args.ceo_options,
+            "chain_passes": args.chain_passes,
             "ceo_over_best_baseline_min": min(ratios),
             "ceo_over_best_baseline_mean": sum(ratios) / len(ratios),
             "ceo_losses": [

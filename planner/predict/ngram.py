@@ -270,7 +270,7 @@ def fit_ngram_device_table(
     to_device = np.zeros((big_l, rows_per_layer), np.int16)
     confidence = np.zeros((big_l, rows_per_layer), np.float16)
     for layer in range(big_l):
-        tuples, counts = _target_tuples(transitions, layer, target)
+        tuples, counts = target_tuples(transitions, layer, target)
         routed_device = e2d[layer][tuples[:, 3].astype(np.int64)]
         weights = counts.astype(np.float64)
         shares = np.bincount(routed_device, weights=weights, minlength=ep_size)[None, :]
@@ -324,7 +324,7 @@ def ngram_context_affinity(
     """
     e2d = _check_table_args(transitions, expert_to_device, ep_size, order, target)
     shape = (ep_size**order, transitions.num_experts)
-    tuples, counts = _target_tuples(transitions, layer, target)
+    tuples, counts = target_tuples(transitions, layer, target)
     if layer < order or tuples.shape[0] == 0:
         return sparse.csr_array(shape, dtype=np.float64)
     ctx = _context_rows(tuples, e2d, layer, order, ep_size)
@@ -353,10 +353,14 @@ def _check_table_args(
     )
 
 
-def _target_tuples(
+def target_tuples(
     transitions: TopOneTransitions, layer: int, target: str
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Layer l's (tuples, counts), the top-1 rows only for the ``"top1"`` target."""
+    """Layer l's (tuples, counts), the top-1 rows only for the ``"top1"`` target.
+
+    Column ``MAX_ORDER - i`` of a tuple is the top-1 expert of layer l - i (i = 1..3), column
+    ``MAX_ORDER`` the routed expert of layer l, the last its rank.
+    """
     tuples, counts = transitions.layer(layer)
     if target == "top1":
         keep = tuples[:, _RANK] == 0

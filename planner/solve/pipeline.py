@@ -39,6 +39,8 @@ from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig
 from planner.solve.registry import get_solver
 from planner.trace.schema import TraceMeta
 
+# Sweeps of the chain polish a plan may ask for.
+MAX_CHAIN_PASSES = 10
 # An unseen token's borrowed device is less certain than a solved token's own choice.
 BORROWED_CONFIDENCE = 0.5
 
@@ -59,6 +61,8 @@ class PlanConfig:
         options: per-method solver options, ``{"ceo": {"variant": "paper"}}``.
         ngram_weight: weight of the n-gram term against the token rows
             (:mod:`planner.solve.ngram_term`); 0 solves every layer on its own.
+        chain_passes: sweeps of the chain polish (:mod:`planner.solve.chain`) after the
+            solver, for any method; 0 (the default) skips it. Needs the n-gram term.
     """
 
     method: str = "ceo"
@@ -70,6 +74,7 @@ class PlanConfig:
     ngram_order: int = 2
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
     ngram_weight: float = DEFAULT_WEIGHT
+    chain_passes: int = 0
 
     def __post_init__(self) -> None:
         get_solver(self.method)
@@ -81,6 +86,12 @@ class PlanConfig:
             raise InputError(f"beta={self.beta} must be >= 1")
         if not (math.isfinite(self.ngram_weight) and self.ngram_weight >= 0):
             raise InputError(f"ngram_weight={self.ngram_weight} must be a number >= 0")
+        if not 0 <= self.chain_passes <= MAX_CHAIN_PASSES:
+            raise InputError(
+                f"chain_passes={self.chain_passes} must be between 0 and {MAX_CHAIN_PASSES}"
+            )
+        if self.chain_passes and self.ngram_weight == 0:
+            raise InputError("chain_passes needs the n-gram term: ngram_weight must be > 0")
 
     def solver_config(self) -> SolverConfig:
         return SolverConfig(seed=self.seed, time_limit=self.time_limit, options=self.options)
@@ -138,6 +149,11 @@ def make_plan(predictor: Predictor, config: PlanConfig, *, progress: bool = True
             f"--ep {e} must divide the {n} experts of {meta.model!r} (and be at most {n}); "
             f"valid: {', '.join(str(d) for d in range(1, n + 1) if n % d == 0)}"
         )
+    if config.chain_passes and predictor.transitions is None:
+        raise InputError(
+            "chain_passes needs n-gram transitions, and this predictor has none "
+            "(it was fitted on a counts table); solve without it"
+        )
     t0 = time.perf_counter()
     problems = layer_problems(predictor, e, config.beta)
     term = None
@@ -154,7 +170,7 @@ def make_plan(predictor: Predictor, config: PlanConfig, *, progress: bool = True
         )  # fmt: skip
     placements = solve_model(
         problems, config.method, config.solver_config(), jobs=config.jobs, progress=progress,
-        ngram_term=term,
+        ngram_term=term, chain_passes=config.chain_passes,
     )  # fmt: skip
     tables = [vocabulary_table(predictor, p, q) for p, q in zip(problems, placements, strict=True)]
     expert_to_device = np.stack([q.expert_to_device for q in placements])

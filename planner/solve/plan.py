@@ -34,6 +34,7 @@ import numpy as np
 
 from planner._io import atomic_path
 from planner.errors import InputError, MismatchError, SchemaError
+from planner.solve.chain import chain_polish
 from planner.solve.ngram_term import NgramTerm, restrict
 from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig
 from planner.solve.registry import get_solver
@@ -62,6 +63,7 @@ def solve_model(
     jobs: int = 1,
     progress: bool = True,
     ngram_term: NgramTerm | None = None,
+    chain_passes: int = 0,
 ) -> list[LayerPlacement]:
     """Solve every layer with ``method``; returns placements in layer order.
 
@@ -74,6 +76,9 @@ def solve_model(
         ngram_term: solve layers in order within runs, each layer's problem extended by
             the n-gram context rows of its placed predecessors
             (:mod:`planner.solve.ngram_term`); None solves every layer on its own.
+        chain_passes: with ``ngram_term``, sweeps of the chain polish
+            (:mod:`planner.solve.chain`) over each run once all its layers are placed;
+            0 skips it.
     """
     get_solver(method)  # unknown method -> InputError before any work
     config = config if config is not None else SolverConfig()
@@ -121,7 +126,16 @@ def solve_model(
                         if pos + 1 < len(runs[r]):
                             args = task(runs[r], pos + 1)
                             pending[pool.submit(_solve_one, args)] = (r, pos + 1, args[0])
-    return [r for r in results if r is not None]
+    placements = [r for r in results if r is not None]
+    if ngram_term is not None and chain_passes > 0:
+        with _progress(progress, num_layers, f"{method}, chain polish") as advance:
+            for run in runs:
+                polished = chain_polish(problems, placements, ngram_term, run, passes=chain_passes)
+                for layer, placement in polished.items():
+                    placements[layer] = placement
+                for _ in run:
+                    advance()
+    return placements
 
 
 class _progress:

@@ -1,0 +1,115 @@
+"""The chain polish: each layer revisited with the layers before and after it placed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from planner.cli.main import main
+from planner.errors import InputError
+from planner.predict.fit import FitConfig, fit_predictor
+from planner.solve.chain import LayerTerms, chain_polish
+from planner.solve.ngram_term import NgramTerm
+from planner.solve.pipeline import PlanConfig, layer_problems, make_plan
+from planner.solve.plan import solve_model
+from planner.solve.problem import SolverConfig
+from planner.trace.synth import SynthConfig, synthesize
+
+# Routing that follows the previous layer's experts, which an n-gram table can learn.
+SYNTH = SynthConfig(
+    num_layers=5, num_experts=8, top_k=2, vocab_size=300, num_tokens=3000, num_requests=30,
+    affinity=0.5, layer_correlation=0.6, expert_zipf=0.0, num_domains=2, seed=5,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def predictor(tmp_path_factory):
+    d = tmp_path_factory.mktemp("chain")
+    return fit_predictor(synthesize(SYNTH, d / "trace"), FitConfig()).predictor
+
+
+@pytest.fixture(scope="module")
+def solved(predictor):
+    problems = layer_problems(predictor, 4)
+    term = NgramTerm(predictor.transitions, order=2, weight=0.5)
+    placements = solve_model(problems, "kmeans", SolverConfig(seed=0), progress=False,
+                             ngram_term=term)  # fmt: skip
+    return problems, term, placements
+
+
+def chain_objective(problems, term, placements, run) -> float:
+    x = np.stack([p.expert_to_device for p in placements]).astype(np.int64)
+    total = 0.0
+    for layer in run:
+        parts = LayerTerms(problems, term, x, layer, run, batch_aware=False)
+        total += parts.token_score(x[layer], placements[layer].token_to_device)
+        total += parts.context_value(x[layer])
+    return total
+
+
+@pytest.mark.parametrize("layer", [0, 2, 4])
+def test_swap_deltas_are_exact(solved, layer):
+    problems, term, placements = solved
+    run = term.runs(len(problems))[0]
+    x = np.stack([p.expert_to_device for p in placements]).astype(np.int64)
+    parts = LayerTerms(problems, term, x, layer, run, batch_aware=False)
+    # layer 0 has no context of its own and feeds layer 2; layer 4 the reverse
+    assert (parts.rows is None) == (layer < 2)
+    assert len(parts.forward) == {0: 1, 2: 2, 4: 0}[layer]
+    t = placements[layer].token_to_device
+    a, b, delta = parts.swap_deltas(x[layer], t)
+    assert a.size == 8 * 6 // 2  # pairs of experts on different devices (2 per device)
+    base = parts.total(x[layer], t)
+    for i in range(a.size):
+        y = x[layer].copy()
+        y[a[i]], y[b[i]] = y[b[i]], y[a[i]]
+        assert parts.total(y, t) - base == pytest.approx(delta[i], abs=1e-9)
+
+
+def test_polish_raises_the_chain_objective_and_keeps_placements_valid(solved):
+    problems, term, _ = solved
+    placements = solve_model(problems, "vanilla", SolverConfig(seed=0), progress=False,
+                             ngram_term=term)  # fmt: skip
+    run = term.runs(len(problems))[0]
+    changed = chain_polish(problems, placements, term, run, batch_aware=False)
+    assert changed, "contiguous placements leave chain gains on this routing"
+    after = [changed.get(i, p) for i, p in enumerate(placements)]
+    assert chain_objective(problems, term, after, run) > chain_objective(
+        problems, term, placements, run
+    )
+    for layer, placement in changed.items():
+        placement.validate(problems[layer])  # N/E experts per device, token cap
+        assert placement.info["chain_polish"]["swaps"] >= 1
+        assert placement.info["chain_polish"]["gain"] > 0
+    # polishing the polished result again finds little or nothing more
+    again = chain_polish(problems, after, term, run, batch_aware=False)
+    gain = sum(p.info["chain_polish"]["gain"] for p in changed.values())
+    regain = sum(p.info["chain_polish"]["gain"] - after[i].info["chain_polish"]["gain"]
+                 for i, p in again.items())  # fmt: skip
+    assert regain < 0.5 * gain
+
+
+def test_plan_records_the_polish_and_zero_passes_skip_it(predictor):
+    plain = make_plan(predictor, PlanConfig(method="kmeans", ep_size=4, chain_passes=0),
+                      progress=False)  # fmt: skip
+    assert not any("chain_polish" in r["info"] for r in plain.reports)
+    polished = make_plan(predictor, PlanConfig(method="vanilla", ep_size=4, chain_passes=2),
+                         progress=False)  # fmt: skip
+    assert any("chain_polish" in r["info"] for r in polished.reports)
+    assert polished.config["chain_passes"] == 2
+    assert (np.bincount(polished.expert_to_device[0], minlength=4) == 2).all()
+
+
+def test_bad_passes_are_one_line_errors(predictor, tmp_path, capsys):
+    with pytest.raises(InputError, match="chain_passes"):
+        PlanConfig(chain_passes=-1)
+    with pytest.raises(InputError, match="n-gram term"):
+        PlanConfig(chain_passes=2, ngram_weight=0.0)
+    predictor.save(tmp_path / "pred")
+    args = ["solve", str(tmp_path / "pred"), "--ep", "4", "--out", str(tmp_path / "plan")]
+    assert main([*args, "--chain-passes", "11"]) == 2
+    err = capsys.readouterr().err
+    assert "chain_passes" in err and "Traceback" not in err
+    assert not (tmp_path / "plan").exists()
+    assert main([*args, "--method", "kmeans", "--chain-passes", "1", "--json"]) == 0
+    assert "chain_passes" in (tmp_path / "plan" / "plan.json").read_text()
