@@ -13,6 +13,8 @@
    token borrows the device of the known token the predictor maps it to (nearest input
    embedding, paper 000 §3.3) at half that token's confidence; a token with no neighbour
    goes to the device carrying most of the layer's expert load, with confidence 0;
+   With ``chain_passes``, the chain polish (:mod:`planner.solve.chain`) then revisits
+   each layer with the layers after it placed;
 4. n-gram device tables fitted under the new placement from the predictor's top-1
    transition statistics (paper 000 App. B.1); a predictor fitted on a counts table has no
    transitions, and its plan has no n-gram tables.
@@ -62,7 +64,8 @@ class PlanConfig:
         ngram_weight: weight of the n-gram term against the token rows
             (:mod:`planner.solve.ngram_term`); 0 solves every layer on its own.
         chain_passes: sweeps of the chain polish (:mod:`planner.solve.chain`) after the
-            solver, for any method; 0 (the default) skips it. Needs the n-gram term.
+            solver, for any method but ``vanilla`` (the default deployment stays what it
+            is); 0 (the default) skips it. Needs the n-gram term.
     """
 
     method: str = "ceo"
@@ -170,7 +173,7 @@ def make_plan(predictor: Predictor, config: PlanConfig, *, progress: bool = True
         )  # fmt: skip
     placements = solve_model(
         problems, config.method, config.solver_config(), jobs=config.jobs, progress=progress,
-        ngram_term=term, chain_passes=config.chain_passes,
+        ngram_term=term, chain_passes=0 if config.method == "vanilla" else config.chain_passes,
     )  # fmt: skip
     tables = [vocabulary_table(predictor, p, q) for p, q in zip(problems, placements, strict=True)]
     expert_to_device = np.stack([q.expert_to_device for q in placements])

@@ -8,6 +8,7 @@ import pytest
 from planner.cli.main import main
 from planner.errors import InputError
 from planner.predict.fit import FitConfig, fit_predictor
+from planner.solve import plan as plan_module
 from planner.solve.chain import LayerTerms, chain_polish
 from planner.solve.ngram_term import NgramTerm
 from planner.solve.pipeline import PlanConfig, layer_problems, make_plan
@@ -89,15 +90,22 @@ def test_polish_raises_the_chain_objective_and_keeps_placements_valid(solved):
     assert regain < 0.5 * gain
 
 
-def test_plan_records_the_polish_and_zero_passes_skip_it(predictor):
-    plain = make_plan(predictor, PlanConfig(method="kmeans", ep_size=4, chain_passes=0),
-                      progress=False)  # fmt: skip
-    assert not any("chain_polish" in r["info"] for r in plain.reports)
-    polished = make_plan(predictor, PlanConfig(method="vanilla", ep_size=4, chain_passes=2),
+def test_plan_runs_the_polish_when_asked_and_records_it(predictor, monkeypatch):
+    calls = []
+
+    def spy(problems, placements, term, run, *, passes):
+        calls.append((tuple(run), passes))
+        return chain_polish(problems, placements, term, run, passes=passes)
+
+    monkeypatch.setattr(plan_module, "chain_polish", spy)
+    plain = make_plan(predictor, PlanConfig(method="kmeans", ep_size=4), progress=False)
+    assert calls == [] and plain.config["chain_passes"] == 0
+    polished = make_plan(predictor, PlanConfig(method="kmeans", ep_size=4, chain_passes=2),
                          progress=False)  # fmt: skip
-    assert any("chain_polish" in r["info"] for r in polished.reports)
-    assert polished.config["chain_passes"] == 2
-    assert (np.bincount(polished.expert_to_device[0], minlength=4) == 2).all()
+    assert calls == [((0, 1, 2, 3, 4), 2)] and polished.config["chain_passes"] == 2
+    # the default deployment is not polished, even when compare gives every method passes
+    make_plan(predictor, PlanConfig(method="vanilla", ep_size=4, chain_passes=2), progress=False)
+    assert len(calls) == 1
 
 
 def test_bad_passes_are_one_line_errors(predictor, tmp_path, capsys):
