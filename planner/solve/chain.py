@@ -144,8 +144,8 @@ def chain_polish(
                 info["ngram_term"] = dict(
                     info["ngram_term"], local_rate=parts.context_value(x_new) / parts.rows_total
                 )
-            changed[layer] = finish(
-                problem, old.method, x_new, seed=old.seed, started=started,
+            changed[layer] = finish(  # seconds: the solver's and the polish's
+                problem, old.method, x_new, seed=old.seed, started=started - old.seconds,
                 token_to_device=t_new, info=info,
             )  # fmt: skip
         if not moved:

@@ -82,6 +82,7 @@ def test_polish_raises_the_chain_objective_and_keeps_placements_valid(solved):
         placement.validate(problems[layer])  # N/E experts per device, token cap
         assert placement.info["chain_polish"]["swaps"] >= 1
         assert placement.info["chain_polish"]["gain"] > 0
+        assert placement.seconds >= placements[layer].seconds  # solver time kept
     # polishing the polished result again finds little or nothing more
     again = chain_polish(problems, after, term, run, batch_aware=False)
     gain = sum(p.info["chain_polish"]["gain"] for p in changed.values())
