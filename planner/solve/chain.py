@@ -69,10 +69,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from planner.predict.ngram import MAX_ORDER, ngram_context_affinity, target_tuples
+from planner.predict.ngram import MAX_ORDER, target_tuples
 from planner.solve.common import (
     assign_for_problem,
     batch_overflow,
+    best_outside,
     device_gains,
     expert_scores,
     finish,
@@ -123,12 +124,12 @@ def chain_polish(
             if swaps == 0:
                 continue
             problem = problems[layer]
-            gain = device_gains(problem, x_new)
-            t_new = assign_for_problem(problem, gain).token_to_device
-            if parts.token_score(x_new, t_old) > parts.token_score(x_new, t_new):
-                t_new = t_old
+            t_new = assign_for_problem(problem, device_gains(problem, x_new)).token_to_device
+            token_new, token_kept = parts.token_score(x_new, t_new), parts.token_score(x_new, t_old)
+            if token_kept > token_new:
+                t_new, token_new = t_old, token_kept
             before = parts.total(x_old, t_old)
-            after = parts.total(x_new, t_new)
+            after = token_new + parts.context_value(x_new) + parts.forward_value(x_new)
             if not after > before * (1 + 1e-12) + 1e-12:
                 continue
             moved = True
@@ -177,15 +178,9 @@ class LayerTerms:
         e, n, order = problem.ep_size, problem.num_experts, term.order
         self.e = e
         # layer l's own context rows (placed layers l-n .. l-1 of the run)
-        self.rows = None
-        self.rows_total = 0.0
-        if layer - order >= run[0]:
-            rows = ngram_context_affinity(term.transitions, x_all, layer, e, order, term.target)
-            rows = rows[np.flatnonzero(rows.sum(axis=1) > 0)]
-            if rows.shape[0]:
-                factor = term.layer_weight(layer, problem.total_activations, float(rows.sum()))
-                self.rows = rows.toarray() * factor
-                self.rows_total = float(self.rows.sum())
+        rows = term.context_rows(problem, layer, x_all, run[0])
+        self.rows = None if rows is None else rows.toarray()
+        self.rows_total = 0.0 if rows is None else float(self.rows.sum())
         # later layers m = l + i whose contexts hold layer l at position i
         self.forward: list[np.ndarray] = []
         last = run[-1]
@@ -296,7 +291,7 @@ class LayerTerms:
             diff = self.rows[:, b[sl]] - self.rows[:, a[sl]]  # [C, P]
             on_p = g[:, p[sl]] + diff
             on_q = g[:, q[sl]] - diff
-            new = np.maximum(np.maximum(on_p, on_q), _outside_max(top, values, p[sl], q[sl]))
+            new = np.maximum(np.maximum(on_p, on_q), best_outside(top, values, p[sl], q[sl]))
             out[sl] = (new - current[:, None]).sum(axis=0)
         return out
 
@@ -312,17 +307,3 @@ class LayerTerms:
             on_q = (g[:, q[sl], :] - diff).max(axis=2)
             out[sl] = (on_p + on_q - best[:, p[sl]] - best[:, q[sl]]).sum(axis=0)
         return out
-
-
-def _outside_max(top: np.ndarray, values: np.ndarray, p: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """[C, P] each row's largest value on a device other than ``p`` and ``q`` of each pair.
-
-    ``top`` [C, 3] holds each row's three best devices, ``values`` their values.
-    """
-    outside = np.full((top.shape[0], p.size), -np.inf)
-    for r in range(top.shape[1] - 1, -1, -1):
-        dev = top[:, r][:, None]
-        outside = np.where(
-            (dev != p[None, :]) & (dev != q[None, :]), values[:, r][:, None], outside
-        )
-    return outside

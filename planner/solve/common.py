@@ -703,10 +703,7 @@ def swap_candidates(
         if rows.size == 0:
             continue
         # best adjusted value of each token outside devices p and q
-        outside = np.full(rows.size, -np.inf)
-        for r in range(min(3, e) - 1, -1, -1):
-            dev = top[rows, r]
-            outside = np.where((dev != p) & (dev != q), top_values[rows, r], outside)
+        outside = best_outside(top[rows], top_values[rows], p, q)
         delta = np.zeros((m, m))
         for lo in range(0, rows.size, chunk):
             sel = rows[lo : lo + chunk]
@@ -720,6 +717,21 @@ def swap_candidates(
         candidates.append((float(delta[i, j]), p, q, mem_p[i], mem_q[j]))
     scale = max(float(np.abs(current).sum()), 1.0) * 1e-12
     return sorted((c for c in candidates if c[0] > scale), key=lambda c: -c[0])
+
+
+def best_outside(top: np.ndarray, values: np.ndarray, p, q) -> np.ndarray:
+    """Each row's largest value on a device other than ``p`` and ``q``.
+
+    ``top`` [R, D] holds each row's D >= 3 best devices (fewer when E < 3), best first, and
+    ``values`` [R, D] their values. ``p`` and ``q`` are device ids (scalars: [R]) or one
+    pair per column ([P] arrays: [R, P]); -inf where no such device is listed.
+    """
+    pair = np.ndim(p) > 0
+    outside = np.full((top.shape[0], np.size(p)) if pair else top.shape[0], -np.inf)
+    for r in range(top.shape[1] - 1, -1, -1):
+        dev, val = (top[:, r, None], values[:, r, None]) if pair else (top[:, r], values[:, r])
+        outside = np.where((dev != p) & (dev != q), val, outside)
+    return outside
 
 
 def _moves(problem, x, t, gain, prices, swaps: bool, deadline: float | None):

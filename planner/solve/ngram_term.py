@@ -162,6 +162,24 @@ class NgramTerm:
         count = max(1, math.ceil(num_layers / RUN_LAYERS))
         return [run.tolist() for run in np.array_split(np.arange(num_layers), count) if run.size]
 
+    def context_rows(
+        self, problem: LayerProblem, layer: int, expert_to_device: np.ndarray, run_start: int
+    ) -> sparse.csr_array | None:
+        """Layer ``layer``'s seen n-gram context rows [C, N] times :meth:`layer_weight`.
+
+        None when the layer's context reaches before ``run_start`` or no context was seen;
+        ``expert_to_device`` [L, N] must hold the placements of layers l-n .. l-1.
+        """
+        if layer - self.order < run_start:
+            return None
+        rows = ngram_context_affinity(
+            self.transitions, expert_to_device, layer, problem.ep_size, self.order, self.target
+        )
+        rows = rows[np.flatnonzero(rows.sum(axis=1) > 0)]
+        if not rows.shape[0]:
+            return None
+        return rows * self.layer_weight(layer, problem.total_activations, float(rows.sum()))
+
     def extend(
         self, problem: LayerProblem, layer: int, expert_to_device: np.ndarray, run_start: int
     ) -> LayerProblem:
@@ -170,14 +188,8 @@ class NgramTerm:
         ``expert_to_device`` [L, N] must hold the final placements of layers l-n .. l-1;
         layers whose context reaches before ``run_start`` get no rows.
         """
-        if layer - self.order < run_start:
-            return problem
-        rows = ngram_context_affinity(
-            self.transitions, expert_to_device, layer, problem.ep_size, self.order, self.target
-        )
-        rows = rows[np.flatnonzero(rows.sum(axis=1) > 0)]
-        rows = rows * self.layer_weight(layer, problem.total_activations, float(rows.sum()))
-        if not rows.shape[0]:
+        rows = self.context_rows(problem, layer, expert_to_device, run_start)
+        if rows is None:
             return problem
         batch_freq = problem.batch_freq
         if batch_freq is not None:
