@@ -79,6 +79,18 @@ weight 0.5 everywhere):
 - *token rows scaled by the token shrinkage a / (a + m)*: every method lost 2-18% on
   FLAME-MoE.
 
+Tried later (default per-layer factor), not kept: *context rows smoothed as the runtime's
+table sees them*: each seen row replaced by its count times the interpolated backoff
+distribution over experts (:data:`planner.predict.ngram.BACKOFF_COUNTS` pseudo-counts,
+order n backing off to n-1 down to the layer's expert shares), so that a row's best device
+and value are exactly the backed-off table's prediction and expected hits. The idea: sparse
+contexts (FLAME-MoE at EP 16, 256 contexts for about 1000 fitting tokens) would stop
+rewarding placements that fit single tokens' noise. On the 36-case sweep CEO's held-out
+balanced LAR moved -0.4% on FLAME-MoE on average (-3.1% to +1.2%) and +0.1% on the
+example; k-means +0.4%, METIS -3.0%, alternating -0.1% on FLAME-MoE. CEO's mean ratio to
+the best baseline went from 1.029 to 1.027 (35 of 36 wins, min 0.996): no gain, and the
+rows become dense.
+
 What remains at the edges is a chain effect. At weight 0.5, each layer's extended problem
 solved with every method (CEO's placements of the earlier layers as context): at EP 2
 (seed 1, routed) CEO's objective is the best or tied at every layer, yet k-means' own

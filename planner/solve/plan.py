@@ -5,7 +5,7 @@ in worker processes when ``jobs > 1``, each layer on its own or, with the n-gram
 (:mod:`planner.solve.ngram_term`), in order within fixed runs of layers. Layer l runs with
 its own seed :func:`layer_seed` ``(seed, l)``, so the result does not depend on the job
 count or on the order in which layers finish. With ``chain_passes`` the chain polish
-(:mod:`planner.solve.chain`) then revisits each run's layers, in this process.
+(:mod:`planner.solve.chain`) then revisits each run's layers, runs in parallel with ``jobs``.
 
 :class:`Plan` is the on-disk result: expert placement per layer, a vocabulary-wide token
 table per layer with confidences, optional n-gram tables, the solver reports, and the
@@ -130,13 +130,40 @@ def solve_model(
     placements = [r for r in results if r is not None]
     if ngram_term is not None and chain_passes > 0:
         with _progress(progress, num_layers, f"{method}, chain polish") as advance:
-            for run in runs:
-                polished = chain_polish(problems, placements, ngram_term, run, passes=chain_passes)
+            # Runs are polished independently (a run's terms read only its own layers).
+            tasks = [
+                _polish_task(problems, placements, ngram_term, run, chain_passes) for run in runs
+            ]
+
+            def apply(run: list[int], polished: dict[int, LayerPlacement]) -> None:
                 for layer, placement in polished.items():
                     placements[layer] = placement
                 for _ in run:
                     advance()
+
+            if jobs == 1 or len(runs) == 1:
+                for run, args in zip(runs, tasks, strict=True):
+                    apply(run, _polish_run(args))
+            else:
+                ctx = mp.get_context("spawn")
+                with cf.ProcessPoolExecutor(
+                    max_workers=min(jobs, len(runs)), mp_context=ctx
+                ) as pool:
+                    for run, polished in zip(runs, pool.map(_polish_run, tasks), strict=True):
+                        apply(run, polished)
     return placements
+
+
+def _polish_task(problems, placements, term, run, passes) -> tuple:
+    """Arguments of :func:`_polish_run` for one run: only the run's problems travel."""
+    members = set(run)
+    kept = [p if i in members else None for i, p in enumerate(problems)]
+    return kept, placements, term, run, passes
+
+
+def _polish_run(args: tuple) -> dict[int, LayerPlacement]:
+    problems, placements, term, run, passes = args
+    return chain_polish(problems, placements, term, run, passes=passes)
 
 
 class _progress:

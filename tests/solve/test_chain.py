@@ -91,6 +91,34 @@ def test_polish_raises_the_chain_objective_and_keeps_placements_valid(solved):
     assert regain < 0.5 * gain
 
 
+def test_runs_are_polished_in_worker_processes_with_the_same_result(predictor, monkeypatch):
+    from planner.solve import ngram_term as term_module
+
+    monkeypatch.setattr(term_module, "RUN_LAYERS", 3)  # two runs: layers 0-2 and 3-4
+    problems = layer_problems(predictor, 4)
+    term = NgramTerm(predictor.transitions, order=2, weight=0.5)
+    assert term.runs(len(problems)) == [[0, 1, 2], [3, 4]]
+    solved = {
+        # contiguous placements (vanilla) leave chain gains in both runs
+        jobs: solve_model(
+            problems,
+            "vanilla",
+            SolverConfig(seed=0),
+            progress=False,
+            ngram_term=term,
+            jobs=jobs,
+            chain_passes=2,
+        )  # fmt: skip
+        for jobs in (1, 2)
+    }
+    assert {i for i, p in enumerate(solved[1]) if "chain_polish" in p.info} & {0, 1, 2}
+    assert {i for i, p in enumerate(solved[1]) if "chain_polish" in p.info} & {3, 4}
+    for one, two in zip(solved[1], solved[2], strict=True):
+        np.testing.assert_array_equal(one.expert_to_device, two.expert_to_device)
+        np.testing.assert_array_equal(one.token_to_device, two.token_to_device)
+        assert one.info.get("chain_polish") == two.info.get("chain_polish")
+
+
 def test_plan_runs_the_polish_when_asked_and_records_it(predictor, monkeypatch):
     calls = []
 
