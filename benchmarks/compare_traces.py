@@ -16,6 +16,13 @@ ratio, the cases CEO loses, and those it loses beyond that interval. About 40 s 
         [--ngram top1,routed] [--ngram-weight 0.5] [--ceo-options JSON] [--chain-passes 0]
         [--out FILE]
 
+Shape checks (not real routing): ``--sources synth-mixtral,synth-gptoss,synth-qwen3`` run
+the same cases on synthetic traces (``moeplan trace synth``: 6 layers, 40k tokens, 200
+requests, vocabulary 32k, seed 7) shaped like Mixtral (8 experts, top-2; EP 2, 4, 8),
+GPT-OSS-20B (32, top-4; EP 4, 8) and Qwen3-30B-A3B (128, top-8; EP 8, 16), for what real
+traces of other shapes may look like: ``--sources synth-mixtral,synth-gptoss,synth-qwen3
+--seeds 0 --ngram routed``.
+
 ``--ceo-options '{"batch_aware": false}'`` measures a CEO switch's effect (the same cases,
 with and without it). ``--chain-passes 2`` gives every method the chain polish
 (:mod:`planner.solve.chain`), the strongest baselines we know how to build.
@@ -42,10 +49,18 @@ from planner.profile.runner import ProfileConfig, profile_model  # noqa: E402
 from planner.solve.ngram_term import DEFAULT_WEIGHT  # noqa: E402
 from planner.solve.pipeline import PlanConfig  # noqa: E402
 from planner.trace import open_trace  # noqa: E402
+from planner.trace.synth import SynthConfig, synthesize  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 FLAME = REPO.parent / "shared" / "realdata" / "flame-moe-290m-prefill.parquet"
 EP_SIZES = {"flame": (4, 8, 16), "example": (2, 4, 8)}
+# Synthetic shape checks: (experts, top-k, EP sizes); see the module doc.
+SHAPES = {
+    "synth-mixtral": (8, 2, (2, 4, 8)),
+    "synth-gptoss": (32, 4, (4, 8)),
+    "synth-qwen3": (128, 8, (8, 16)),
+}
+EP_SIZES |= {name: eps for name, (_, _, eps) in SHAPES.items()}
 METHODS = ["ceo", "metis", "kmeans", "alternating", "vanilla"]
 BASELINES = ("metis", "kmeans", "alternating")
 
@@ -53,6 +68,16 @@ BASELINES = ("metis", "kmeans", "alternating")
 def source_trace(name: str, work: Path) -> Path:
     if name == "flame":
         return FLAME
+    if name in SHAPES:
+        experts, top_k, _ = SHAPES[name]
+        config = SynthConfig(
+            num_layers=6, num_experts=experts, top_k=top_k, vocab_size=32000,
+            num_tokens=40_000, num_requests=200, seed=7, model=name,
+        )  # fmt: skip
+        out = work / name
+        return out if out.exists() else synthesize(config, out)
+    if name != "example":
+        raise SystemExit(f"unknown source {name!r}: flame, example or one of {', '.join(SHAPES)}")
     out = work / "example_trace"
     if not out.exists():
         profile_model(
