@@ -5,7 +5,7 @@ in worker processes when ``jobs > 1``, each layer on its own or, with the n-gram
 (:mod:`planner.solve.ngram_term`), in order within fixed runs of layers. Layer l runs with
 its own seed :func:`layer_seed` ``(seed, l)``, so the result does not depend on the job
 count or on the order in which layers finish. With ``chain_passes`` the chain polish
-(:mod:`planner.solve.chain`) then revisits each run's layers, runs in parallel with ``jobs``.
+(:mod:`planner.solve.chain`) then revisits each run's layers (runs in parallel with ``jobs``).
 
 :class:`Plan` is the on-disk result: expert placement per layer, a vocabulary-wide token
 table per layer with confidences, optional n-gram tables, the solver reports, and the
