@@ -6,6 +6,8 @@
    transition statistics, with the n-gram term (:mod:`planner.solve.ngram_term`): layers
    in order, each placement also chosen for the n-gram table it will get, the term weighed
    up where the predictor's token shrinkage says tokens do not carry over to new requests;
+   with ``chain_passes`` (any method but vanilla), the chain polish
+   (:mod:`planner.solve.chain`) then revisits each layer with the layers after it placed;
 3. a vocabulary-wide token table per layer: solved tokens keep the solver's device, and
    their confidence (the share of their fitting activations local there) is calibrated by
    the predictor's token shrinkage (:mod:`planner.predict.reliability`: a token seen a
@@ -13,8 +15,6 @@
    token borrows the device of the known token the predictor maps it to (nearest input
    embedding, paper 000 §3.3) at half that token's confidence; a token with no neighbour
    goes to the device carrying most of the layer's expert load, with confidence 0;
-   With ``chain_passes``, the chain polish (:mod:`planner.solve.chain`) then revisits
-   each layer with the layers after it placed;
 4. n-gram device tables fitted under the new placement from the predictor's top-1
    transition statistics (paper 000 App. B.1); a predictor fitted on a counts table has no
    transitions, and its plan has no n-gram tables.
