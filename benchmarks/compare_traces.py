@@ -100,6 +100,7 @@ def run_case(
     ngram_weight: float,
     ceo_options: dict,
     chain_passes: int = 0,
+    ngram_defer: bool = True,
 ) -> dict:
     held = work / f"{trace.stem}_held{seed}"
     if not held.exists():
@@ -116,6 +117,7 @@ def run_case(
             ngram_weight=ngram_weight,
             options={"ceo": ceo_options},
             chain_passes=chain_passes,
+            ngram_defer=ngram_defer,
         ),  # fmt: skip
     )
     rows = {r["method"]: r for r in result["rows"]}
@@ -147,6 +149,11 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--ceo-options", type=json.loads, default={}, help="CEO options (JSON)")
     ap.add_argument("--chain-passes", type=int, default=0, help="chain polish sweeps")
+    ap.add_argument(
+        "--no-ngram-defer",
+        action="store_true",
+        help="keep the fitted n-gram confidences (PlanConfig.ngram_defer off)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     started = time.perf_counter()
@@ -171,6 +178,7 @@ def main(argv=None) -> int:
                                 args.ngram_weight,
                                 args.ceo_options,
                                 args.chain_passes,
+                                not args.no_ngram_defer,
                             ),
                         }
                         cases.append(case)
@@ -191,6 +199,7 @@ def main(argv=None) -> int:
             "ngram_weight": args.ngram_weight,
             "ceo_options": args.ceo_options,
             "chain_passes": args.chain_passes,
+            "ngram_defer": not args.no_ngram_defer,
             "ceo_over_best_baseline_min": min(ratios),
             "ceo_over_best_baseline_mean": sum(ratios) / len(ratios),
             "ceo_losses": [

@@ -62,6 +62,13 @@ def solve(
         "layers after it placed, for their n-gram tables (0 = off). Raised the baselines' "
         "held-out LAR by 3-5% on FLAME-MoE and left CEO's unchanged on average.",
     ),
+    ngram_defer: bool = typer.Option(
+        True,
+        "--ngram-defer/--no-ngram-defer",
+        help="Weigh each layer's n-gram confidences by the share of token occurrences its "
+        "fitted token shrinkage discounts, so that the n-gram table overrides only tokens "
+        "the token table knows little of (--no-ngram-defer: the paper's table).",
+    ),
     options: str = typer.Option(None, "--options", help="Per-method solver options as JSON."),
     as_json: bool = typer.Option(False, "--json", help="Print the per-layer reports as JSON."),
 ) -> None:
@@ -69,7 +76,7 @@ def solve(
     pred = load_predictor(predictor)
     config = PlanConfig(
         method, ep, beta, seed, jobs, time_limit, ngram_order, _options(options), ngram_weight,
-        chain_passes,
+        chain_passes, ngram_defer,
     )  # fmt: skip
     plan = make_plan(pred, config, progress=not as_json)
     plan.save(out)
@@ -117,6 +124,9 @@ def compare(
     chain_passes: int = typer.Option(
         0, "--chain-passes", help="As in `moeplan solve`; given to every method."
     ),
+    ngram_defer: bool = typer.Option(
+        True, "--ngram-defer/--no-ngram-defer", help="As in `moeplan solve`."
+    ),
     options: str = typer.Option(None, "--options", help="Per-method solver options as JSON."),
     as_json: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
 ) -> None:
@@ -131,7 +141,7 @@ def compare(
     trace = open_trace(heldout)
     config = PlanConfig(
         names[0], ep, beta, seed, jobs, time_limit, ngram_order, _options(options), ngram_weight,
-        chain_passes,
+        chain_passes, ngram_defer,
     )  # fmt: skip
     result = compare_methods(
         pred, trace, names, config, EvalConfig(batch_tokens=batch_tokens), progress=not as_json

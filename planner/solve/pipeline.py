@@ -17,7 +17,32 @@
    goes to the device carrying most of the layer's expert load, with confidence 0;
 4. n-gram device tables fitted under the new placement from the predictor's top-1
    transition statistics (paper 000 App. B.1); a predictor fitted on a counts table has no
-   transitions, and its plan has no n-gram tables.
+   transitions, and its plan has no n-gram tables. With ``ngram_defer`` (the default) each
+   layer's n-gram confidences are weighed by u, the share of its token occurrences the
+   token shrinkage discounts (below): the n-gram table defers to token rows that carry
+   over to new requests and still decides for the tokens the token table knows little of.
+
+Why the n-gram table defers. The token table is solved under the per-device token cap; the
+n-gram table is not: its contexts go wherever their experts are, which is the devices
+holding the hot experts. Wherever Algorithm 2 lets an n-gram prediction override a token's
+own device, load moves off the balanced token table, and the runtime's per-batch cap then
+evicts confident tokens from the crowded devices. On the example model (tokens route
+consistently, u = 0.03-0.09) the n-gram table raises the held-out LAR without the cap
+(CEO, EP 4: 0.514 token table alone, 0.585 with it) and lowers it under the cap (0.453 ->
+0.447); with the top-1 statistic, whose confidence (the top-1 expert's hit rate) runs
+higher, more so (EP 8: 0.283 -> 0.264). Weighing by u gives 0.453 and 0.283. Where tokens
+do not carry over (FLAME-MoE, u = 0.97-1.0) it changes nothing, and there the n-gram table
+makes the plan (EP 16, top-1, CEO: balanced LAR 0.181 with it, 0.100 without). On the 36
+held-out cases of ``benchmarks/compare_traces.py`` (against the same sweep with
+``--no-ngram-defer``): on the example every solver's balanced LAR rises 2.4-3.1% on average
+(CEO: +0.9% with the routed statistic, +5.3% with top-1, up to +7.1%); on FLAME-MoE the
+baselines are unchanged and CEO moves by its time budget's noise (-0.1% on average). The
+rule is not tuned: u is the number the token shrinkage already gives. Tried on four cases
+(example EP 4 and 8, Mixtral-shaped synthetic EP 2, Qwen3-shaped EP 8; four solvers): a
+hard gate (n-gram confidences near 0 where u < 0.5) and sqrt(u) came within 0.3% of u on
+the example and up to 0.7% below it on the synthetic traces (u = 0.1-0.3). ``vanilla``
+keeps the fitted confidences: its token table is dealt out by frequency, not solved, and
+deferring to it cost its balanced LAR 7.5% on the example.
 """
 
 from __future__ import annotations
@@ -45,6 +70,9 @@ from planner.trace.schema import TraceMeta
 MAX_CHAIN_PASSES = 10
 # An unseen token's borrowed device is less certain than a solved token's own choice.
 BORROWED_CONFIDENCE = 0.5
+# Least weight of a deferring n-gram table's confidences (``PlanConfig.ngram_defer``): even
+# where every token is trusted, the n-gram table still decides for tokens of confidence 0.
+MIN_NGRAM_SCALE = 0.01
 
 
 @dataclass(frozen=True)
@@ -66,6 +94,12 @@ class PlanConfig:
         chain_passes: sweeps of the chain polish (:mod:`planner.solve.chain`) after the
             solver, for any method but ``vanilla`` (the default deployment stays what it
             is); 0 (the default) skips it. Needs the n-gram term.
+        ngram_defer: weigh each layer's n-gram confidences by the share u of its token
+            occurrences the predictor's token shrinkage discounts (at least
+            :data:`MIN_NGRAM_SCALE`), so that the n-gram table overrides only tokens the
+            token table knows little of (module doc). False keeps the fitted confidences
+            (the paper's table); no effect when the predictor has no token shrinkage, nor
+            for ``vanilla``, whose token table is dealt out, not solved.
     """
 
     method: str = "ceo"
@@ -78,6 +112,7 @@ class PlanConfig:
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
     ngram_weight: float = DEFAULT_WEIGHT
     chain_passes: int = 0
+    ngram_defer: bool = True
 
     def __post_init__(self) -> None:
         get_solver(self.method)
@@ -159,14 +194,14 @@ def make_plan(predictor: Predictor, config: PlanConfig, *, progress: bool = True
         )
     t0 = time.perf_counter()
     problems = layer_problems(predictor, e, config.beta)
+    unreliable = None
+    if predictor.token_shrinkage is not None:
+        unreliable = tuple(
+            discounted_share(p.token_freq, float(m))
+            for p, m in zip(problems, predictor.token_shrinkage, strict=True)
+        )
     term = None
     if predictor.transitions is not None and config.ngram_weight > 0:
-        unreliable = None
-        if predictor.token_shrinkage is not None:
-            unreliable = tuple(
-                discounted_share(p.token_freq, float(m))
-                for p, m in zip(problems, predictor.token_shrinkage, strict=True)
-            )
         term = NgramTerm(
             predictor.transitions, config.ngram_order, config.ngram_weight,
             unreliable=unreliable,
@@ -183,14 +218,14 @@ def make_plan(predictor: Predictor, config: PlanConfig, *, progress: bool = True
         order = config.ngram_order
         ngram = fit_ngram_device_table(predictor.transitions, expert_to_device, e, order)
         ngram_dev, ngram_conf = ngram.to_device, ngram.confidence
+        if config.ngram_defer and unreliable is not None and config.method != "vanilla":
+            ngram_conf = defer_ngram_confidence(ngram_conf, unreliable)
     reports = [q.report() for q in placements]
     shrinkage = predictor.token_shrinkage
     config_json = asdict(config) | {
         "seconds": round(time.perf_counter() - t0, 3),
         "token_shrinkage": None if shrinkage is None else shrinkage.tolist(),
-        "ngram_unreliable": None
-        if term is None or term.unreliable is None
-        else [round(u, 4) for u in term.unreliable],
+        "ngram_unreliable": None if unreliable is None else [round(u, 4) for u in unreliable],
     }
     return Plan(
         model=json.loads(meta.to_json()),
@@ -207,6 +242,18 @@ def make_plan(predictor: Predictor, config: PlanConfig, *, progress: bool = True
         ngram_confidence=ngram_conf,
         reports=reports,
     )
+
+
+def defer_ngram_confidence(confidence: np.ndarray, unreliable) -> np.ndarray:
+    """[L, E**n] n-gram confidences weighed per layer by u (at least MIN_NGRAM_SCALE); float16.
+
+    ``unreliable[l]`` is layer l's share of token occurrences the token shrinkage discounts
+    (:func:`planner.predict.reliability.discounted_share`); see the module doc.
+    """
+    scale = np.maximum(np.asarray(unreliable, np.float64), MIN_NGRAM_SCALE)
+    if scale.shape != (confidence.shape[0],):
+        raise InputError(f"{scale.size} layer weights for {confidence.shape[0]} n-gram layers")
+    return (confidence.astype(np.float64) * scale[:, None]).astype(np.float16)
 
 
 def plan_meta(plan: Plan) -> TraceMeta:

@@ -163,3 +163,50 @@ def test_token_confidence_is_calibrated_by_the_predictor_shrinkage(pipeline):
     assert (
         none.config["token_shrinkage"] == [1e9] * layers and raw.config["token_shrinkage"] is None
     )
+
+
+def test_ngram_table_defers_to_reliable_tokens(pipeline, tmp_path, capsys):
+    """ngram_defer weighs each layer's n-gram confidences by u (at least MIN_NGRAM_SCALE) and
+    changes nothing else; without token shrinkage there is nothing to weigh by."""
+    import dataclasses
+
+    from planner.predict.reliability import discounted_share
+    from planner.solve.pipeline import MIN_NGRAM_SCALE, layer_problems
+
+    _, _, _, predictor = pipeline
+    cfg = PlanConfig("kmeans", ep_size=4)
+    defer = make_plan(predictor, cfg, progress=False)
+    paper = make_plan(predictor, dataclasses.replace(cfg, ngram_defer=False), progress=False)
+    for name in ("expert_to_device", "token_to_device", "token_confidence", "ngram_to_device"):
+        np.testing.assert_array_equal(getattr(defer, name), getattr(paper, name))
+    u = [
+        discounted_share(p.token_freq, float(m))
+        for p, m in zip(layer_problems(predictor, 4), predictor.token_shrinkage, strict=True)
+    ]
+    assert defer.config["ngram_unreliable"] == [round(x, 4) for x in u]
+    scale = np.maximum(u, MIN_NGRAM_SCALE)[:, None]
+    expect = (paper.ngram_confidence.astype(np.float64) * scale).astype(np.float16)
+    np.testing.assert_array_equal(defer.ngram_confidence, expect)
+    assert paper.ngram_confidence[2].max() > 0 and (scale < 1).all()
+    assert (defer.ngram_confidence[2] < paper.ngram_confidence[2]).any()
+    # every token trusted (u = 0): the n-gram table keeps a small positive confidence, so it
+    # still decides for tokens whose token-table confidence is 0
+    trusted = dataclasses.replace(predictor, token_shrinkage=np.zeros(3))
+    low = make_plan(trusted, cfg, progress=False).ngram_confidence
+    full = make_plan(trusted, dataclasses.replace(cfg, ngram_defer=False), progress=False)
+    full_conf = full.ngram_confidence.astype(np.float64)
+    assert ((low > 0) == (full_conf > 0)).all() and (full_conf[2:] > 0).any()
+    np.testing.assert_allclose(low, full_conf * MIN_NGRAM_SCALE, rtol=2e-3)
+    # no shrinkage fitted: the fitted table as it is
+    raw = make_plan(dataclasses.replace(predictor, token_shrinkage=None), cfg, progress=False)
+    np.testing.assert_array_equal(raw.ngram_confidence, paper.ngram_confidence)
+    # the CLI switch
+    d, _, _, _ = pipeline
+    pred = tmp_path / "pred"
+    assert main(["fit", str(d / "fit"), "--out", str(pred), "--json"]) == 0
+    for flag, on in (("--ngram-defer", True), ("--no-ngram-defer", False)):
+        out = tmp_path / f"plan{on}"
+        args = ["solve", str(pred), "--ep", "4", "--method", "kmeans", "--out", str(out)]
+        assert main([*args, flag, "--json"]) == 0
+        assert Plan.load(out).config["ngram_defer"] is on
+    capsys.readouterr()
