@@ -194,6 +194,9 @@ def make_plan(predictor: Predictor, config: PlanConfig, *, progress: bool = True
         )
     t0 = time.perf_counter()
     problems = layer_problems(predictor, e, config.beta)
+    # vanilla is the default deployment as it is: no chain polish, fitted n-gram confidences
+    # (its token table is dealt out, not solved, so nothing to defer to)
+    solved = config.method != "vanilla"
     unreliable = None
     if predictor.token_shrinkage is not None:
         unreliable = tuple(
@@ -208,7 +211,7 @@ def make_plan(predictor: Predictor, config: PlanConfig, *, progress: bool = True
         )  # fmt: skip
     placements = solve_model(
         problems, config.method, config.solver_config(), jobs=config.jobs, progress=progress,
-        ngram_term=term, chain_passes=0 if config.method == "vanilla" else config.chain_passes,
+        ngram_term=term, chain_passes=config.chain_passes if solved else 0,
     )  # fmt: skip
     tables = [vocabulary_table(predictor, p, q) for p, q in zip(problems, placements, strict=True)]
     expert_to_device = np.stack([q.expert_to_device for q in placements])
@@ -218,7 +221,7 @@ def make_plan(predictor: Predictor, config: PlanConfig, *, progress: bool = True
         order = config.ngram_order
         ngram = fit_ngram_device_table(predictor.transitions, expert_to_device, e, order)
         ngram_dev, ngram_conf = ngram.to_device, ngram.confidence
-        if config.ngram_defer and unreliable is not None and config.method != "vanilla":
+        if config.ngram_defer and unreliable is not None and solved:
             ngram_conf = defer_ngram_confidence(ngram_conf, unreliable)
     reports = [q.report() for q in placements]
     shrinkage = predictor.token_shrinkage
