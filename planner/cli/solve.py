@@ -128,6 +128,13 @@ def compare(
         True, "--ngram-defer/--no-ngram-defer", help="As in `moeplan solve`."
     ),
     options: str = typer.Option(None, "--options", help="Per-method solver options as JSON."),
+    fitting: str = typer.Option(
+        None,
+        "--fitting",
+        help="Also score each plan on this trace, the one the predictor was fitted on "
+        "(column 'fit. bal.'): a method that loses there too loses by its search, one that "
+        "loses only held out by how its plan carries over to new requests.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
 ) -> None:
     """Solve with each method and compare held-out LAR, balance and time, with the oracle bound."""
@@ -139,12 +146,22 @@ def compare(
         )
     pred = load_predictor(predictor)
     trace = open_trace(heldout)
+    fitting_trace = None
+    if fitting is not None:
+        fitting_trace = open_trace(fitting)
+        pred.check_compatible(fitting_trace.meta, "fitting trace")
     config = PlanConfig(
         names[0], ep, beta, seed, jobs, time_limit, ngram_order, _options(options), ngram_weight,
         chain_passes, ngram_defer,
     )  # fmt: skip
     result = compare_methods(
-        pred, trace, names, config, EvalConfig(batch_tokens=batch_tokens), progress=not as_json
+        pred,
+        trace,
+        names,
+        config,
+        EvalConfig(batch_tokens=batch_tokens),
+        progress=not as_json,
+        fitting=fitting_trace,
     )
     if as_json:
         console.print_json(json.dumps(result))
@@ -158,6 +175,8 @@ def comparison_table(result: dict, title: str) -> Table:
             ("lar_ngram", "n-gram"), ("token_imbalance_balanced", "tok.imb."), ("expert_load_imbalance", "exp.imb."),
             ("gap_to_bound", "gap to bound"), ("ratio_to_best_baseline", "vs best base."), ("ratio_ci90", "90% CI"),
             ("ratio_to_vanilla", "vs vanilla"), ("seconds", "seconds")]  # fmt: skip
+    if any("lar_balanced_fitting" in r for r in result["rows"]):
+        cols.insert(2, ("lar_balanced_fitting", "fit. bal."))
     for _, head in cols:
         table.add_column(head, justify="left" if head == "method" else "right")
 

@@ -62,8 +62,14 @@ def compare_methods(
     eval_config: EvalConfig | None = None,
     *,
     progress: bool = False,
+    fitting: Trace | None = None,
 ) -> dict:
     """One row per method: held-out LAR (balanced, online, token), imbalance, solve time.
+
+    With ``fitting`` (the trace the predictor was fitted on), each row also carries
+    ``lar_balanced_fitting``, the plan's balanced LAR on that trace: where a method loses
+    held out, this says whether it also lost on the data it was solved for (the search or
+    the objective) or only on new requests (generalisation).
 
     Returns ``{"rows": [...], "oracle_bound": float, "lar_vanilla": float,
     "best_baseline": name | None, "requests": R}``; each row carries ``gap_to_bound``
@@ -81,14 +87,20 @@ def compare_methods(
         t0 = time.perf_counter()
         plan = make_plan(predictor, cfg, progress=progress)
         seconds = time.perf_counter() - t0
-        report = evaluate_bundle(bundle_from_plan(plan), heldout, eval_config)
+        bundle = bundle_from_plan(plan)
+        report = evaluate_bundle(bundle, heldout, eval_config)
         ov = report["overall"]
         bound, vanilla = ov["oracle_bound"], ov["lar_vanilla"]
         per_request[method] = np.asarray(report["per_request"]["local_balanced"], np.float64)
+        in_sample = {}
+        if fitting is not None:
+            fit_report = evaluate_bundle(bundle, fitting, eval_config)
+            in_sample = {"lar_balanced_fitting": fit_report["overall"]["lar_balanced"]}
         rows.append(
             {
                 "method": method,
                 "lar_balanced": ov["lar_balanced"],
+                **in_sample,
                 "lar": ov["lar"],
                 "lar_token": ov["lar_token"],
                 "lar_ngram": ov["lar_ngram"],

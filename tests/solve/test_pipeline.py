@@ -72,10 +72,22 @@ def test_same_seed_same_plan_any_jobs(pipeline):
 
 def test_compare_rows_and_ratios(pipeline):
     d, _, _, predictor = pipeline
+    fitting = open_trace(d / "fit")
     result = compare_methods(
-        predictor, open_trace(d / "held"), ["ceo", "metis", "vanilla"], PlanConfig(ep_size=4)
+        predictor,
+        open_trace(d / "held"),
+        ["ceo", "metis", "vanilla"],
+        PlanConfig(ep_size=4),
+        fitting=fitting,
     )
     rows = {r["method"]: r for r in result["rows"]}
+    # The same plans scored on the requests they were fitted on (vanilla is deterministic).
+    vanilla = make_plan(predictor, PlanConfig("vanilla", ep_size=4), progress=False)
+    on_fit = evaluate_bundle(bundle_from_plan(vanilla), fitting)["overall"]["lar_balanced"]
+    assert rows["vanilla"]["lar_balanced_fitting"] == pytest.approx(on_fit)
+    assert rows["ceo"]["lar_balanced_fitting"] > rows["vanilla"]["lar_balanced_fitting"]
+    alone = compare_methods(predictor, open_trace(d / "held"), ["vanilla"], PlanConfig(ep_size=4))
+    assert "lar_balanced_fitting" not in alone["rows"][0]
     assert result["best_baseline"] == "metis"
     assert rows["metis"]["ratio_to_best_baseline"] == 1.0
     assert rows["ceo"]["lar_balanced"] > rows["vanilla"]["lar_balanced"]
@@ -135,6 +147,13 @@ def test_cli_chain(pipeline, tmp_path, capsys):
     )
     out = json.loads(capsys.readouterr().out)
     assert [r["method"] for r in out["rows"]] == ["vanilla", "kmeans"]
+    held, fit = str(d / "held"), str(d / "fit")
+    args = ["compare", str(pred), held, "--ep", "2", "--methods", "kmeans", "--fitting", fit]
+    assert main(args) == 0
+    assert "fit. bal." in capsys.readouterr().out
+    other = synthesize(SynthConfig(**(SYNTH.__dict__ | {"model": "other"})), tmp_path / "o")
+    assert main(args[:-1] + [str(other)]) == 2
+    assert "fitting trace" in capsys.readouterr().err
     assert main(["solve", str(pred), "--ep", "3", "--out", str(tmp_path / "bad")]) == 2
     assert "must divide" in capsys.readouterr().err
 
