@@ -146,10 +146,7 @@ def compare(
         )
     pred = load_predictor(predictor)
     trace = open_trace(heldout)
-    fitting_trace = None
-    if fitting is not None:
-        fitting_trace = open_trace(fitting)
-        pred.check_compatible(fitting_trace.meta, "fitting trace")
+    fitting_trace = None if fitting is None else open_trace(fitting)
     config = PlanConfig(
         names[0], ep, beta, seed, jobs, time_limit, ngram_order, _options(options), ngram_weight,
         chain_passes, ngram_defer,

@@ -78,6 +78,8 @@ def compare_methods(
     (:func:`ratio_interval`; None for the best baseline itself or with one request).
     """
     predictor.check_compatible(heldout.meta, "held-out trace")
+    if fitting is not None:
+        predictor.check_compatible(fitting.meta, "fitting trace")
     eval_config = dataclasses.replace(eval_config or EvalConfig(), per_request=True)
     rows = []
     per_request = {}
