@@ -6,9 +6,11 @@ tokens with Zipf frequencies), W = (token, expert) routing counts, ``a_j`` = occ
 Solved at EP 8 and EP 32 with each method (``ceo`` in both variants), each in a fresh
 child process that loads the instance and solves it, so that its peak RSS (VmHWM) is the
 solve's own (``rss_before_solve_mib``: after loading); LAR and token imbalance are reported
-alongside the seconds. EP 32 token imbalance exceeds 1.1 because the most frequent tokens
-each carry more than 1.1/32 of all occurrences (indivisible tokens, see
-:mod:`planner.solve.problem`).
+alongside the seconds, and for CEO the work units its budget counted (``effort``,
+:mod:`planner.solve.effort`: the default budget of 5M units is what bounds CEO's time;
+units per second on a machine say how well the cost model tracks it there). EP 32 token
+imbalance exceeds 1.1 because the most frequent tokens each carry more than 1.1/32 of all
+occurrences (indivisible tokens, see :mod:`planner.solve.problem`).
 
 Runtime batches: ``--batches trace`` (default) records the instance's fitting batches as
 ``moeplan fit`` does (4096-token batches in trace order, at most 64 kept;
@@ -88,7 +90,8 @@ def _child(method: str, instance: str, ep: int, seed: int, queue) -> None:
         "tokens": problem.num_tokens, "nnz": int(w.nnz),
         "peak_rss_mib": peak_rss_mib(), "rss_before_solve_mib": base,
         "batches": 0 if batch_freq is None else int(batch_freq.shape[1]),
-        **{k: placement.info[k] for k in ("iterations", "restarts_used", "batch_overflow")
+        **{k: placement.info[k]
+           for k in ("iterations", "restarts_used", "batch_overflow", "effort")
            if k in placement.info},
     })  # fmt: skip
 
@@ -110,6 +113,7 @@ def _print_row(r: dict) -> None:
         f"imb {r['token_imbalance']:.3f}  peak {r['peak_rss_mib']:.0f} MiB "
         f"(before solve {r['rss_before_solve_mib']:.0f})  batches {r['batches']}"
         + (f"  iterations {r['iterations']}" if "iterations" in r else "")
+        + (f"  effort {r['effort'] / 1e6:.2f}M units" if "effort" in r else "")
         + (f"  overflow {r['batch_overflow']:.0f}" if "batch_overflow" in r else ""),
         file=sys.stderr,
     )

@@ -42,7 +42,11 @@ def solve(
     seed: int = typer.Option(0, "--seed", help="Seed of every random choice."),
     jobs: int = typer.Option(1, "--jobs", help="Worker processes solving layers in parallel."),
     time_limit: float = typer.Option(
-        None, "--time-limit", help="Seconds a solver may spend per layer."
+        None,
+        "--time-limit",
+        help="Hard wall-clock seconds per layer. CEO's own budget counts work, not time, so "
+        "the same inputs and seed give the same plan on any machine; a time limit that cuts "
+        "a solve makes it depend on the machine's speed.",
     ),
     ngram_order: int = typer.Option(
         2, "--ngram-order", help="n of the n-gram device tables (1-3)."

@@ -48,12 +48,16 @@ change has a switch, and ``benchmarks/solve_quality.py`` shows its effect:
   placements that let every batch use all devices. A candidate keeps its unpolished form
   when the polish lowers this score. Without batches, or in penalty mode, it changes nothing.
 
-Time: ``time_budget`` seconds (soft, default 6.5) per layer, for everything: the search
-stops after ``search_share`` of it; of the rest, the last full token assignment keeps what
-it needs (about 2.5 times a screening assignment), the screening gets half of what remains
-and the polish the other half; ``SolverConfig.time_limit`` is a hard limit on all of it.
-When the budget cuts the search, the result depends on the machine's speed
-(``info["search_cut_by_budget"]``); with ``time_budget=None`` it depends on the seed only.
+Budget: ``effort`` work units per layer (default :data:`DEFAULT_EFFORT`, about 5 s on the
+reference machine), counted by the shared kernels (:mod:`planner.solve.effort`), not timed:
+the search stops after ``search_share`` of it; of the rest, the last full token assignment
+keeps what it needs (about 2.5 times a screening assignment), the screening gets half of
+what remains and the polish the other half. So the result depends on the inputs and the
+seed only, not on the machine's speed or load, nor on ``--jobs``
+(``info["search_cut_by_budget"]`` says whether the budget cut the search; ``info["effort"]``
+is the work spent). ``time_budget`` (soft seconds, off by default) adds a wall-clock budget
+split the same way; with it the result depends on the machine again.
+``SolverConfig.time_limit`` is a hard wall-clock limit on all of it.
 ``warm_start`` (off by default) starts the distribution around a balanced k-means
 clustering of the experts instead of uniform.
 
@@ -78,15 +82,22 @@ from planner.solve.common import (
     check_options,
     device_gains,
     finish,
+    gains_charged,
     objective,
     polish,
     rebalance_tokens,
     repair_expert_counts,
 )
+from planner.solve.effort import Effort, charge
 from planner.solve.kmeans import balanced_kmeans, expert_profiles
 from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig
 
 VARIANTS = ("improved", "paper")
+# Default work budget per layer (``effort`` option, units of planner.solve.effort): 5.5-6 s
+# for a DeepSeek-V3-sized layer on the reference machine, about 8 s with two solving
+# processes sharing its two cores, so that 58 such layers solve within 5 minutes with
+# --jobs 2 (benchmarks/solve_speed.py --full).
+DEFAULT_EFFORT = 5.0e6
 
 DEFAULTS: dict[str, object] = {
     "variant": "improved",
@@ -117,7 +128,10 @@ DEFAULTS: dict[str, object] = {
     # the scoring gain matrix has about 16k entries whatever E is)
     "score_tokens": None,
     "price_sweeps": 4,  # dual-price sweeps per token assignment while searching
-    "time_budget": 6.5,  # soft seconds per layer (None: unlimited); the time limit is hard
+    # work per layer, in the deterministic units of planner.solve.effort (about a
+    # microsecond each on the reference machine; None: unlimited)
+    "effort": DEFAULT_EFFORT,
+    "time_budget": None,  # soft seconds per layer besides (None: none); the time limit is hard
     "search_share": 0.6,  # share of the budget for the search, the rest for the final polish
 }
 
@@ -131,6 +145,12 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
         raise InputError(f"ceo: elite={opts['elite']!r} must lie in (0, 1]")
     if not (0.0 < float(opts["smoothing"]) <= 1.0):
         raise InputError(f"ceo: smoothing={opts['smoothing']!r} must lie in (0, 1]")
+    for key in ("effort", "time_budget"):
+        value = opts[key]
+        if value is not None and not (
+            isinstance(value, int | float) and math.isfinite(value) and value >= 0
+        ):
+            raise InputError(f"ceo: {key}={value!r} must be a number >= 0 or null (no budget)")
     deadline = None if config.time_limit is None else started + config.time_limit
     if opts["variant"] == "paper":
         x, t, info = _solve_paper(problem, opts, config.seed, deadline)
@@ -253,12 +273,22 @@ def _solve_paper(problem: LayerProblem, opts: dict, seed: int, deadline: float |
 
 
 def _cross_entropy_joint(
-    problem, opts, rng, num_samples, iterations, deadline, *, align_labels, random_order
+    problem,
+    opts,
+    rng,
+    num_samples,
+    iterations,
+    stop,
+    *,
+    align_labels,
+    random_order,
+    effort=None,
 ):
     """Algorithm 1's loop: sample experts and tokens, score, update. -> (P_ep, P_tk, iters, cut).
 
     ``random_order`` draws the experts of each sample in a random order (index order in the
-    paper); ``align_labels`` relabels elite pairs onto the best sample so far.
+    paper); ``align_labels`` relabels elite pairs onto the best sample so far. ``stop``: a
+    ``perf_counter`` deadline, a :class:`_Stops` (with ``effort``, the meter charged), or None.
     """
     n, e, per = problem.num_experts, problem.ep_size, problem.experts_per_device
     n_elite = max(1, math.ceil(float(opts["elite"]) * num_samples))
@@ -271,10 +301,12 @@ def _cross_entropy_joint(
     rows, cols, vals = problem.nnz_rows, w.indices, w.data
     best_score, best_ep = -np.inf, None
     done, cut = 0, False
+    stop = stop if isinstance(stop, _Stops) else _Stops(stop, None)
     for _ in range(iterations):
-        if deadline is not None and time.perf_counter() > deadline:
+        if stop.reached(effort):
             cut = True
             break
+        charge(effort, "ce_joint", entries=w.nnz + (n + problem.num_tokens) * e, calls=num_samples)
         order = np.argsort(rng.random((num_samples, n)), axis=1) if random_order else None
         ep = sample_balanced(rng, p_ep, num_samples, np.ones(n), per, order=order)
         tk = sample_balanced(
@@ -318,6 +350,7 @@ class _Scorer:
         swaps: bool,
         rounds: int,
         batch_aware: bool,
+        effort: Effort,
     ):
         # the heaviest token rows, and as many heaviest load-free rows (n-gram contexts),
         # so that neither kind crowds the other out of the scoring set
@@ -329,31 +362,41 @@ class _Scorer:
         self.swaps = swaps
         self.rounds = rounds
         self.batch_aware = batch_aware
+        self.effort = effort
         self.prices: np.ndarray | None = None
 
     def __call__(self, x: np.ndarray) -> tuple[np.ndarray, float]:
-        sub = self.problem
-        gain = device_gains(sub, x)
-        result = assign_for_problem(sub, gain, prices=self.prices, sweeps=self.sweeps, exact=False)
+        sub, effort = self.problem, self.effort
+        gain = gains_charged(sub, x, effort)
+        result = assign_for_problem(
+            sub, gain, prices=self.prices, sweeps=self.sweeps, exact=False, effort=effort
+        )
         if self.prices is None:
             self.prices = result.prices
         t = result.token_to_device
         if not self.local_search:
-            return x, _score(sub, gain, t, self.batch_aware)
-        before = _score(sub, gain, t, self.batch_aware) if self.batch_aware else -np.inf
+            return x, _score(sub, gain, t, self.batch_aware, effort)
+        before = _score(sub, gain, t, self.batch_aware, effort) if self.batch_aware else -np.inf
         y, t, _ = polish(
             sub, x, t, sweeps=self.sweeps, max_rounds=self.rounds, swaps=self.swaps,
-            exact=False,
+            exact=False, effort=effort,
         )  # fmt: skip
-        after = _score(sub, device_gains(sub, y), t, self.batch_aware)
+        after = _score(sub, gains_charged(sub, y, effort), t, self.batch_aware, effort)
         # the polish raises the objective; net of the batch cap it may not
         return (y, after) if after >= before else (x, before)
 
 
-def _score(problem: LayerProblem, gain: np.ndarray, t: np.ndarray, batch_aware: bool) -> float:
+def _score(
+    problem: LayerProblem, gain: np.ndarray, t: np.ndarray, batch_aware: bool, effort=None
+) -> float:
     """The objective, net of the runtime cap's take-back on the fitting batches if asked."""
     score = objective(problem, gain, t)
-    return score - batch_overflow(problem, gain, t) if batch_aware else score
+    if not batch_aware:
+        return score
+    entries = problem.batch_entries
+    size = 0 if entries is None else entries[0].size
+    charge(effort, "batch_overflow", entries=size + gain.size)
+    return score - batch_overflow(problem, gain, t)
 
 
 def _earliest(a: float | None, b: float | None) -> float | None:
@@ -366,65 +409,78 @@ def _solve_improved(
     rng = np.random.default_rng(seed)
     num_samples = int(opts["samples"] or 8)
     iterations = int(opts["iterations"] or 30)
-    # soft budget: the search gets its share, the final polish the rest
+    share = float(opts["search_share"])
+    # The budget: ``effort`` work units (deterministic) and/or ``time_budget`` soft seconds.
+    # The search gets ``search_share`` of it; of the rest, the last full token assignment
+    # keeps what it needs (about 2.5 screening assignments, 30 sweeps against 10), the
+    # screening gets half of what is left before it and the polish the other half.
+    limit = None if opts["effort"] is None else float(opts["effort"])
     budget = opts["time_budget"]
     search_end, polish_end = deadline, deadline
     if budget is not None:
-        search_end = _earliest(deadline, started + float(opts["search_share"]) * float(budget))
+        search_end = _earliest(deadline, started + share * float(budget))
         polish_end = _earliest(deadline, started + float(budget))
+    effort = Effort()  # the search checks its share itself: samples are not cut short
+    search_stop = _Stops(search_end, None if limit is None else share * limit)
     if opts["assign_tokens"]:
         candidates, its, cut = _cross_entropy_experts(
-            problem, opts, rng, num_samples, iterations, search_end
+            problem, opts, rng, num_samples, iterations, search_stop, effort
         )
         tokens = [None] * len(candidates)
     else:
         p_ep, p_tk, its, cut = _cross_entropy_joint(
-            problem, opts, rng, num_samples, iterations, search_end,
-            align_labels=bool(opts["align_labels"]), random_order=True,
+            problem, opts, rng, num_samples, iterations, search_stop,
+            align_labels=bool(opts["align_labels"]), random_order=True, effort=effort,
         )  # fmt: skip
         x = repair_expert_counts(p_ep.argmax(axis=1), p_ep.T, problem.experts_per_device)
         candidates, tokens = [x], [p_tk.argmax(axis=1)]
-    # screen the distinct candidates on all tokens, then polish the best few. Within the
-    # budget: the last full token assignment (about 2.5 screening assignments, 30 sweeps
-    # against 10) keeps its time, and the screening gets half of what is left before it
     aware = bool(opts["batch_aware"])
-    screened, polish_stop, screen_stop = [], polish_end, polish_end
+    screened = []
+    polish_stop, screen_stop = _Stops(polish_end, limit), _Stops(polish_end, limit)
     for x, t in zip(candidates, tokens, strict=True):
-        tick = time.perf_counter()
-        gain = device_gains(problem, x)
+        tick, units = time.perf_counter(), effort.spent
+        gain = gains_charged(problem, x, effort)
         if t is None:
-            t = assign_for_problem(problem, gain, sweeps=10).token_to_device
+            t = assign_for_problem(problem, gain, sweeps=10, effort=effort).token_to_device
         else:
             t = rebalance_tokens(problem, t, gain, priority=gain[np.arange(t.size), t])
-        screened.append((_score(problem, gain, t, aware), x, t))
-        now = time.perf_counter()
-        if len(screened) == 1 and polish_end is not None:
-            polish_stop = polish_end - 2.5 * (now - tick)
-            screen_stop = now + 0.5 * max(0.0, polish_stop - now)
-        if not opts["polish"] or (screen_stop is not None and now >= screen_stop):
+        screened.append((_score(problem, gain, t, aware, effort), x, t))
+        if len(screened) == 1:
+            polish_stop = polish_stop.reserve(
+                2.5 * (time.perf_counter() - tick), 2.5 * (effort.spent - units)
+            )
+            screen_stop = polish_stop.halfway(time.perf_counter(), effort.spent)
+        if not opts["polish"] or screen_stop.reached(effort):
             break
     screened.sort(key=lambda item: -item[0])
     best, log = None, []
+    effort.stop = polish_stop.units  # polish() checks the meter between moves
     for score_ce, x, t in screened[: max(1, int(opts["candidates"]))]:
         rounds, score = 0, score_ce
-        if opts["polish"] and (polish_stop is None or time.perf_counter() < polish_stop):
-            # cheap exact-expert rounds first, then rounds with swaps while time remains
-            y, u, rounds = polish(problem, x, t, deadline=polish_stop, sweeps=10, swaps=False)
-            y, u, more = polish(problem, y, u, deadline=polish_stop, sweeps=10, swaps=True)
+        if opts["polish"] and not polish_stop.reached(effort):
+            # cheap exact-expert rounds first, then rounds with swaps while budget remains
+            y, u, rounds = polish(
+                problem, x, t, deadline=polish_stop.seconds, sweeps=10, swaps=False,
+                effort=effort,
+            )  # fmt: skip
+            y, u, more = polish(
+                problem, y, u, deadline=polish_stop.seconds, sweeps=10, swaps=True,
+                effort=effort,
+            )  # fmt: skip
             rounds += more
-            polished = _score(problem, device_gains(problem, y), u, aware)
+            polished = _score(problem, gains_charged(problem, y, effort), u, aware, effort)
             # the polish raises the objective; net of the batch cap it may not
             if polished >= score_ce:
                 x, t, score = y, u, polished
         log.append({"score_search": score_ce, "score_final": score, "polish_rounds": rounds})
         if best is None or score > best[0]:
             best = (score, x, t)
-        if polish_stop is not None and time.perf_counter() > polish_stop:
+        if polish_stop.reached(effort):
             break
     _, x, t = best
     # A last, fully converged token assignment for the final experts.
-    gain = device_gains(problem, x)
-    t_final = assign_for_problem(problem, gain).token_to_device
+    gain = gains_charged(problem, x, effort)
+    t_final = assign_for_problem(problem, gain, effort=effort).token_to_device
     if _score(problem, gain, t_final, aware) >= _score(problem, gain, t, aware):
         t = t_final
     flags = {
@@ -438,6 +494,7 @@ def _solve_improved(
         "iterations": its[0] if isinstance(its, tuple) else its,
         "restarts_used": its[1] if isinstance(its, tuple) else 0,
         "search_cut_by_budget": cut,
+        "effort": round(effort.spent),
         "candidates": log,
     }
     if aware and problem.batch_freq is not None:
@@ -445,10 +502,37 @@ def _solve_improved(
     return x, t, info
 
 
-def _cross_entropy_experts(problem, opts, rng, num_samples, iterations, deadline):
+class _Stops:
+    """Where a phase of the search stops: a time (``perf_counter``) and/or a work total."""
+
+    def __init__(self, seconds: float | None, units: float | None):
+        self.seconds, self.units = seconds, units
+
+    def reserve(self, seconds: float, units: float) -> _Stops:
+        """The stop moved earlier by ``seconds`` and ``units`` (kept for what follows)."""
+        return _Stops(
+            None if self.seconds is None else self.seconds - seconds,
+            None if self.units is None else self.units - units,
+        )
+
+    def halfway(self, now: float, spent: float) -> _Stops:
+        """Halfway from (``now``, ``spent``) to this stop."""
+        return _Stops(
+            None if self.seconds is None else now + 0.5 * max(0.0, self.seconds - now),
+            None if self.units is None else spent + 0.5 * max(0.0, self.units - spent),
+        )
+
+    def reached(self, effort: Effort | None) -> bool:
+        if self.seconds is not None and time.perf_counter() >= self.seconds:
+            return True
+        return self.units is not None and effort is not None and effort.spent >= self.units
+
+
+def _cross_entropy_experts(problem, opts, rng, num_samples, iterations, stop, effort):
     """CE over expert placements, each scored with its best tokens. -> (candidates, iters).
 
-    Candidates are the best distinct placements found (best first), at most ``candidates``.
+    Candidates are the best distinct placements found (best first), at most ``screen``.
+    The loop stops at ``stop`` (a :class:`_Stops`: time and/or the work charged to ``effort``).
     """
     n, e, per = problem.num_experts, problem.ep_size, problem.experts_per_device
     n_elite = max(1, math.ceil(float(opts["elite"]) * num_samples))
@@ -462,6 +546,7 @@ def _cross_entropy_experts(problem, opts, rng, num_samples, iterations, deadline
         bool(opts["search_swaps"]),
         int(opts["search_rounds"]),
         bool(opts["batch_aware"]),
+        effort,
     )
     p_ep = np.full((n, e), 1.0 / e)
     if opts["warm_start"]:
@@ -475,7 +560,7 @@ def _cross_entropy_experts(problem, opts, rng, num_samples, iterations, deadline
     done, cut, stale, restarts = 0, False, 0, 0
     patience = int(opts["patience"])
     for _ in range(iterations):
-        if deadline is not None and time.perf_counter() > deadline:
+        if stop.reached(effort):
             cut = True
             break
         if patience and stale >= patience:

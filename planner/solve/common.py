@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
+from planner.solve.effort import Effort, charge, exhausted
 from planner.solve.problem import LOAD_RTOL, LayerPlacement, LayerProblem
 
 # Rounds of vectorised proposals in assign_tokens before the (rare) sequential finish.
@@ -103,6 +104,7 @@ def assign_tokens(
     prices: np.ndarray | None = None,
     sweeps: int = 30,
     exact: bool = True,
+    effort: Effort | None = None,
 ) -> Assignment:
     """Send tokens to devices, maximising ``sum_j gain[j, t_j]`` within load capacities.
 
@@ -113,6 +115,7 @@ def assign_tokens(
         prices: [E] warm-start dual prices (from a previous call on similar gains).
         sweeps: price-update sweeps (fewer when warm-started; 0 = plain regret greedy).
         exact: solve tiny problems exactly (see below); off inside fast search loops.
+        effort: a work meter to charge (:mod:`planner.solve.effort`).
 
     Returns:
         :class:`Assignment` (token_to_device [J] int64, prices [E]).
@@ -153,13 +156,17 @@ def assign_tokens(
     free = freq <= 0
     token_to_device[free] = gain[free].argmax(axis=1)
     busy = np.flatnonzero(~free)
+    charge(effort, "assign", entries=num_tokens * e)
     if exact and busy.size * e <= _EXACT_ENTRIES and np.isfinite(room).all():
+        charge(effort, "assign_exact")
         solved = _assign_exact(gain[busy], freq[busy], room)
         if solved is not None:
             token_to_device[busy] = solved
             return Assignment(token_to_device, price)
     if sweeps > 0:
-        price = dual_prices(gain[busy], freq[busy], room, prices=price, sweeps=sweeps)
+        price = dual_prices(
+            gain[busy], freq[busy], room, prices=price, sweeps=sweeps, effort=effort
+        )
     heavy_cut = _HEAVY_SHARE * float(np.mean(room)) if np.isfinite(room).all() else np.inf
     heavy = busy[freq[busy] > heavy_cut]
     light = busy[freq[busy] <= heavy_cut]
@@ -168,6 +175,7 @@ def assign_tokens(
         (gain[light] - freq[light, None] * price[None, :]).argmax(axis=1),
         weights=freq[light], minlength=e,
     )  # fmt: skip
+    charge(effort, "assign", steps=heavy.size, calls=0)
     for j in heavy[np.argsort(-freq[heavy], kind="stable")]:
         fits = freq[j] <= room + tol
         if fits.any():
@@ -184,17 +192,18 @@ def assign_tokens(
             np.maximum(room, 0.0),
             prices=price,
             sweeps=max(sweeps // 3, 1),
+            effort=effort,
         )
     adjusted = gain[light] - freq[light, None] * light_price[None, :]
-    token_to_device[light] = _regret_fill(adjusted, freq[light], room, tol)
-    _move_to_room(gain, freq, room, token_to_device, tol)
+    token_to_device[light] = _regret_fill(adjusted, freq[light], room, tol, effort)
+    _move_to_room(gain, freq, room, token_to_device, tol, effort=effort)
     # integrality matters for heavy tokens: pairwise exchanges among them (all tokens when
     # there are few)
     cand = heavy if num_tokens > _EXCHANGE_TOKENS else busy
     if cand.size > 1:
         cand = cand[np.argsort(-freq[cand], kind="stable")[:_EXCHANGE_TOKENS]]
-        _exchange(gain, freq, room, token_to_device, cand, tol)
-        _move_to_room(gain, freq, room, token_to_device, tol)
+        _exchange(gain, freq, room, token_to_device, cand, tol, effort=effort)
+        _move_to_room(gain, freq, room, token_to_device, tol, effort=effort)
     return Assignment(token_to_device, price)
 
 
@@ -223,6 +232,7 @@ def dual_prices(
     prices: np.ndarray | None = None,
     sweeps: int = 30,
     damping: float = 0.5,
+    effort: Effort | None = None,
 ) -> np.ndarray:
     """[E] prices per unit load that approximately minimise the transportation LP's dual.
 
@@ -238,6 +248,7 @@ def dual_prices(
     rows, devices = np.arange(num_tokens), np.arange(e)
     scale = float(np.max(gain / freq[:, None], initial=1.0))
     for _ in range(sweeps):
+        charge(effort, "dual_prices", entries=num_tokens * e, steps=num_tokens)
         adjusted = gain - freq[:, None] * price[None, :]
         first = adjusted.argmax(axis=1)
         best = adjusted[rows, first]
@@ -264,7 +275,9 @@ def dual_prices(
     return price
 
 
-def _regret_fill(gain: np.ndarray, freq: np.ndarray, room: np.ndarray, tol: float) -> np.ndarray:
+def _regret_fill(
+    gain: np.ndarray, freq: np.ndarray, room: np.ndarray, tol: float, effort: Effort | None
+) -> np.ndarray:
     """The regret greedy of :func:`assign_tokens` (all ``freq`` > 0); updates ``room``."""
     num_tokens, e = gain.shape
     out = np.full(num_tokens, -1, dtype=np.int64)
@@ -272,6 +285,7 @@ def _regret_fill(gain: np.ndarray, freq: np.ndarray, room: np.ndarray, tol: floa
     for _ in range(_MAX_PROPOSAL_ROUNDS):
         if pending.size == 0:
             break
+        charge(effort, "regret_fill", entries=pending.size * e)
         f = freq[pending]
         fits = f[:, None] <= room[None, :] + tol
         stuck = ~fits.any(axis=1)
@@ -297,6 +311,7 @@ def _regret_fill(gain: np.ndarray, freq: np.ndarray, room: np.ndarray, tol: floa
         out[pending[order[accept]]] = dev[accept]
         room -= np.bincount(dev[accept], weights=load[accept], minlength=e)
         pending = pending[order[~accept]]
+    charge(effort, "regret_fill", steps=pending.size, calls=0)
     for j in pending[np.argsort(-freq[pending], kind="stable")]:  # pathological tails
         fits = freq[j] <= room + tol
         if fits.any():
@@ -331,7 +346,9 @@ def _place_overflow(
         room[d] -= freq[j]
 
 
-def _exchange(gain, freq, room, token_to_device, cand, tol, max_steps: int = 200) -> None:
+def _exchange(
+    gain, freq, room, token_to_device, cand, tol, max_steps: int = 200, effort=None
+) -> None:
     """Best-improvement pairwise exchanges of devices between tokens ``cand`` (in place).
 
     Tokens j (on p) and i (on q) trade devices when that raises the gain and both devices
@@ -340,6 +357,7 @@ def _exchange(gain, freq, room, token_to_device, cand, tol, max_steps: int = 200
     f = freq[cand]
     g = gain[cand]  # [C, E]
     for _ in range(max_steps):
+        charge(effort, "exchange", entries=cand.size**2)
         dev = token_to_device[cand]
         own = g[np.arange(cand.size), dev]
         # delta[a, b]: a takes b's device and b takes a's
@@ -357,10 +375,11 @@ def _exchange(gain, freq, room, token_to_device, cand, tol, max_steps: int = 200
         token_to_device[cand[a]], token_to_device[cand[b]] = q, p
 
 
-def _move_to_room(gain, freq, room, token_to_device, tol, passes: int = 3) -> None:
+def _move_to_room(gain, freq, room, token_to_device, tol, passes: int = 3, effort=None) -> None:
     """Move tokens to a strictly better device that still has room (in place)."""
     rows = np.arange(token_to_device.size)
     for _ in range(passes):
+        charge(effort, "move_to_room", entries=gain.size)
         current = gain[rows, token_to_device]
         g = np.where(freq[:, None] <= room[None, :] + tol, gain, -np.inf)
         best = g.argmax(axis=1)
@@ -369,6 +388,7 @@ def _move_to_room(gain, freq, room, token_to_device, tol, passes: int = 3) -> No
         if cand.size == 0:
             return
         cand = cand[np.argsort(-(delta[cand] / np.maximum(freq[cand], 1e-300)), kind="stable")]
+        charge(effort, "move_to_room", steps=cand.size, calls=0)
         moved = False
         for j in cand:  # few tokens; one at a time so that the room stays exact
             d = best[j]
@@ -388,6 +408,7 @@ def assign_for_problem(
     prices: np.ndarray | None = None,
     sweeps: int = 30,
     exact: bool = True,
+    effort: Effort | None = None,
 ) -> Assignment:
     """The token assignment every solver uses, under the problem's balance rule.
 
@@ -398,13 +419,14 @@ def assign_for_problem(
     freq = problem.token_freq
     if problem.balance == "cap":
         return assign_tokens(
-            gain, freq, problem.capacity, prices=prices, sweeps=sweeps, exact=exact
-        )
+            gain, freq, problem.capacity, prices=prices, sweeps=sweeps, exact=exact,
+            effort=effort,
+        )  # fmt: skip
     mean = problem.total_freq / problem.ep_size
     best, best_obj = None, -np.inf
     for b in _PENALTY_BETAS:
         if np.isfinite(b):
-            result = assign_tokens(gain, freq, b * mean, sweeps=sweeps, exact=exact)
+            result = assign_tokens(gain, freq, b * mean, sweeps=sweeps, exact=exact, effort=effort)
         else:
             result = Assignment(gain.argmax(axis=1), np.zeros(problem.ep_size))
         obj = objective(problem, gain, result.token_to_device)
@@ -604,6 +626,7 @@ def polish(
     sweeps: int = 30,
     swaps: bool = True,
     exact: bool = True,
+    effort: Effort | None = None,
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """Local search from a placement; never lowers the objective.
 
@@ -615,25 +638,26 @@ def polish(
        :func:`swap_candidates` (tokens free to move, capacity priced by the assignment's
        duals): first all non-overlapping proposals at once, then the best few alone.
 
-    Stops when neither move gains, after ``max_rounds``, or at ``deadline``
-    (``time.perf_counter()`` value). Returns (expert_to_device, token_to_device, rounds).
+    Stops when neither move gains, after ``max_rounds``, at ``deadline``
+    (``time.perf_counter()`` value), or once ``effort`` is exhausted (every step is charged
+    to it). Returns (expert_to_device, token_to_device, rounds).
     """
     x = np.asarray(expert_to_device, dtype=np.int64)
-    gain = device_gains(problem, x)
-    result = assign_for_problem(problem, gain, sweeps=sweeps, exact=exact)
+    gain = gains_charged(problem, x, effort)
+    result = assign_for_problem(problem, gain, sweeps=sweeps, exact=exact, effort=effort)
     prices = result.prices
     t, best = token_to_device, objective(problem, gain, token_to_device)
     if objective(problem, gain, result.token_to_device) > best:
         t, best = result.token_to_device, objective(problem, gain, result.token_to_device)
     rounds = 0
     for rounds in range(1, max_rounds + 1):  # noqa: B007
-        if deadline is not None and time.perf_counter() > deadline:
+        if _out_of_time(deadline) or exhausted(effort):
             break
         improved = False
-        for x_new in _moves(problem, x, t, gain, prices, swaps, deadline):
-            gain_new = device_gains(problem, x_new)
+        for x_new in _moves(problem, x, t, gain, prices, swaps, deadline, effort):
+            gain_new = gains_charged(problem, x_new, effort)
             result = assign_for_problem(
-                problem, gain_new, prices=prices, sweeps=sweeps, exact=exact
+                problem, gain_new, prices=prices, sweeps=sweeps, exact=exact, effort=effort
             )
             t_new, obj_new = (
                 result.token_to_device,
@@ -652,7 +676,11 @@ def polish(
 
 
 def swap_candidates(
-    problem: LayerProblem, expert_to_device: np.ndarray, gain: np.ndarray, prices: np.ndarray
+    problem: LayerProblem,
+    expert_to_device: np.ndarray,
+    gain: np.ndarray,
+    prices: np.ndarray,
+    effort: Effort | None = None,
 ) -> list[tuple[float, int, int, int, int]]:
     """The most promising expert swap of every device pair, by a priced estimate.
 
@@ -667,6 +695,7 @@ def swap_candidates(
     The estimate ignores that moving tokens shifts the prices, so it is optimistic: callers
     verify candidates with the real assignment (:func:`polish`). Returns [(estimated gain,
     device p, device q, expert on p, expert on q)], best first, estimated gain > 0 only.
+    The work is charged to ``effort`` when given.
     """
     x = np.asarray(expert_to_device, dtype=np.int64)
     e, per = problem.ep_size, problem.experts_per_device
@@ -674,6 +703,7 @@ def swap_candidates(
         return []
     dense = problem.affinity_dense
     w, wc = problem.affinity, problem.affinity_csc
+    charge(effort, "swap_candidates", entries=gain.size, steps=e)
     adjusted = gain - problem.token_freq[:, None] * np.asarray(prices)[None, :]
     top = np.argsort(-adjusted, axis=1, kind="stable")[:, :3]
     top_values = np.take_along_axis(adjusted, top, axis=1)
@@ -700,6 +730,7 @@ def swap_candidates(
         for c in cols:
             touched[wc.indices[wc.indptr[c] : wc.indptr[c + 1]]] = True
         rows = np.flatnonzero(touched)
+        charge(effort, "swap_pair", entries=rows.size * (m * m + 2))
         if rows.size == 0:
             continue
         # best adjusted value of each token outside devices p and q
@@ -734,14 +765,16 @@ def best_outside(top: np.ndarray, values: np.ndarray, p, q) -> np.ndarray:
     return outside
 
 
-def _moves(problem, x, t, gain, prices, swaps: bool, deadline: float | None):
+def _moves(problem, x, t, gain, prices, swaps: bool, deadline: float | None, effort=None):
     """Candidate expert placements for :func:`polish`, most promising first (lazy)."""
+    n = problem.num_experts
+    charge(effort, "place_experts", entries=problem.affinity.nnz, steps=n * n)
     best = place_experts(expert_scores(problem, t), problem.experts_per_device)
     if not (best == x).all():
         yield best
-    if not swaps or (deadline is not None and time.perf_counter() > deadline):
+    if not swaps or _out_of_time(deadline) or exhausted(effort):
         return
-    candidates = swap_candidates(problem, x, gain, prices)
+    candidates = swap_candidates(problem, x, gain, prices, effort)
     # all non-overlapping candidates at once, then the best few alone
     batch, used = x.copy(), set()
     for _, p, q, a, b in candidates:
@@ -751,13 +784,13 @@ def _moves(problem, x, t, gain, prices, swaps: bool, deadline: float | None):
     if len(used) > 2:
         yield batch
     for _, p, q, a, b in candidates[:_SWAP_TRIALS]:
-        if deadline is not None and time.perf_counter() > deadline:
+        if _out_of_time(deadline) or exhausted(effort):
             return
         single = x.copy()
         single[a], single[b] = q, p
         yield single
     # few experts: the whole swap neighbourhood is cheap, so try every swap
-    n, e = x.size, problem.ep_size
+    e = problem.ep_size
     if n * n * (e - 1) // (2 * e) <= _ALL_SWAPS:
         for a in range(n):
             for b in range(a + 1, n):
@@ -765,6 +798,18 @@ def _moves(problem, x, t, gain, prices, swaps: bool, deadline: float | None):
                     single = x.copy()
                     single[a], single[b] = x[b], x[a]
                     yield single
+
+
+def gains_charged(problem: LayerProblem, expert_to_device: np.ndarray, effort) -> np.ndarray:
+    """:func:`device_gains`, its work charged to ``effort`` (an Effort or None)."""
+    charge(
+        effort, "device_gains", entries=problem.affinity.nnz + problem.num_tokens * problem.ep_size
+    )
+    return device_gains(problem, expert_to_device)
+
+
+def _out_of_time(deadline: float | None) -> bool:
+    return deadline is not None and time.perf_counter() > deadline
 
 
 def finish(

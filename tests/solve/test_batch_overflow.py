@@ -79,12 +79,12 @@ def two_domain_problem(batch_freq: bool) -> LayerProblem:
 
 def test_ceo_spreads_each_batchs_experts_when_batch_aware() -> None:
     problem = two_domain_problem(batch_freq=True)
-    aware = get_solver("ceo")(problem, SolverConfig(seed=0, options={"ceo": {"time_budget": 2}}))
+    aware = get_solver("ceo")(problem, SolverConfig(seed=0, options={"ceo": {"effort": 2e6}}))
     x = aware.expert_to_device
     assert x[0] != x[1] and x[2] != x[3]  # every batch can use both devices
     assert aware.info["batch_overflow"] == pytest.approx(0.0)
     blind = get_solver("ceo")(
-        problem, SolverConfig(seed=0, options={"ceo": {"time_budget": 2, "batch_aware": False}})
+        problem, SolverConfig(seed=0, options={"ceo": {"effort": 2e6, "batch_aware": False}})
     )
     y = blind.expert_to_device
     assert y[0] == y[1] and y[2] == y[3]  # the plain objective keeps domains together

@@ -82,7 +82,7 @@ def test_real_counts_ceo_beats_metis_and_vanilla() -> None:
     problem = LayerProblem(w_fit, a_fit, 4, token_ids=ids_fit)
     rates = {}
     for method in ("ceo", "metis", "vanilla"):
-        p = solve_layer(problem, method, SolverConfig(options={"ceo": {"time_budget": 3.0}}))
+        p = solve_layer(problem, method, SolverConfig(options={"ceo": {"effort": 3e6}}))
         table, conf = metrics.token_table(ids_fit, p.token_to_device, p.token_confidence,
                                           p.expert_to_device, 32000, 4,
                                           expert_load=problem.expert_load)  # fmt: skip

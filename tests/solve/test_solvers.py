@@ -118,18 +118,38 @@ def test_ceo_within_3_percent_of_the_proven_optimum(seed: int, e: int) -> None:
         assert 0.7 * exact.objective <= other.objective <= exact.objective * (1 + 1e-9)
 
 
-def test_ceo_spent_budget_still_ends_with_the_full_token_assignment() -> None:
-    # a budget already spent: one CE round's worth of nothing, one screened candidate, no
-    # polish (its time belongs to the last token assignment), and still a valid placement
-    # whose tokens are the converged assignment for its experts
+@pytest.mark.parametrize("budget", [{"effort": 0}, {"effort": None, "time_budget": 0.0}])
+def test_ceo_spent_budget_still_ends_with_the_full_token_assignment(budget: dict) -> None:
+    # a budget already spent (work units or seconds): one CE round's worth of nothing, one
+    # screened candidate, no polish (its share belongs to the last token assignment), and
+    # still a valid placement whose tokens are the converged assignment for its experts
     problem = random_problem(400, 16, 4, top_k=2, seed=7, clusters=4, noise=0.02)
-    p = solve_layer(problem, "ceo", SolverConfig(options={"ceo": {"time_budget": 0.0}}))
+    p = solve_layer(problem, "ceo", SolverConfig(options={"ceo": budget}))
     assert p.info["search_cut_by_budget"] and p.info["iterations"] == 0
     assert [c["polish_rounds"] for c in p.info["candidates"]] == [0]
     assert p.token_imbalance <= problem.beta + 1e-9
     full = assign_for_problem(problem, device_gains(problem, p.expert_to_device))
     assert p.objective >= objective(problem, device_gains(problem, p.expert_to_device),
                                     full.token_to_device) * (1 - 1e-12)  # fmt: skip
+
+
+def test_ceo_work_budget_does_not_look_at_the_clock(monkeypatch) -> None:
+    # The default budget counts work (planner.solve.effort), not seconds: the same seed
+    # gives the same placement on a machine a thousand times slower, and the budget binds
+    problem = random_problem(600, 32, 8, top_k=2, seed=3, clusters=8, noise=0.3)
+    config = SolverConfig(seed=5, options={"ceo": {"effort": 3e5}})
+    fast = solve_layer(problem, "ceo", config)
+    assert fast.info["search_cut_by_budget"] and 3e5 <= fast.info["effort"] < 6e5
+    clock = iter(range(0, 10**9, 1000))  # every reading a thousand seconds later
+    monkeypatch.setattr("time.perf_counter", lambda: float(next(clock)))
+    slow = solve_layer(problem, "ceo", config)
+    np.testing.assert_array_equal(fast.expert_to_device, slow.expert_to_device)
+    np.testing.assert_array_equal(fast.token_to_device, slow.token_to_device)
+    assert fast.info["iterations"] == slow.info["iterations"]
+    assert fast.info["effort"] == slow.info["effort"]
+    # more work, more search: the budget is what stopped it
+    more = solve_layer(problem, "ceo", SolverConfig(seed=5, options={"ceo": {"effort": 3e6}}))
+    assert more.info["iterations"] > fast.info["iterations"]
 
 
 @pytest.mark.parametrize("method", HEURISTICS)
@@ -161,6 +181,12 @@ def test_unknown_method_lists_the_names(small_problem: LayerProblem) -> None:
 def test_unknown_option_is_rejected(method: str, small_problem: LayerProblem) -> None:
     with pytest.raises(InputError, match="unknown option"):
         solve_layer(small_problem, method, SolverConfig(options={method: {"no_such_knob": 1}}))
+
+
+@pytest.mark.parametrize("bad", [{"effort": -1}, {"effort": "lots"}, {"time_budget": float("nan")}])
+def test_ceo_budget_must_be_a_number(bad: dict, small_problem: LayerProblem) -> None:
+    with pytest.raises(InputError, match=f"ceo: {next(iter(bad))}=.* must be a number"):
+        solve_layer(small_problem, "ceo", SolverConfig(options={"ceo": bad}))
 
 
 def test_ilp_writes_the_program_and_cbc_agrees(tmp_path) -> None:
