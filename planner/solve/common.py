@@ -22,6 +22,9 @@ Shapes: J tokens, N experts, E devices, P = N/E experts per device.
   :func:`swap_candidates`), each move followed by the token assignment, until no gain.
 - :func:`canonical_labels`: one labelling per partition (devices are interchangeable).
 - :func:`finish`: assignment + metrics + validation -> :class:`LayerPlacement`.
+
+The search kernels take an optional ``effort`` meter (:mod:`planner.solve.effort`) and charge
+their work to it, so that a search can stop after a fixed amount of work instead of time.
 """
 
 from __future__ import annotations
