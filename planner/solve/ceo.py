@@ -82,7 +82,6 @@ from planner.solve.common import (
     check_options,
     device_gains,
     finish,
-    gains_charged,
     objective,
     polish,
     rebalance_tokens,
@@ -255,7 +254,7 @@ def _solve_paper(problem: LayerProblem, opts: dict, seed: int, deadline: float |
         rng,
         num_samples,
         iterations,
-        deadline,
+        _Stops(deadline, None),
         align_labels=False,
         random_order=False,
     )
@@ -287,8 +286,8 @@ def _cross_entropy_joint(
     """Algorithm 1's loop: sample experts and tokens, score, update. -> (P_ep, P_tk, iters, cut).
 
     ``random_order`` draws the experts of each sample in a random order (index order in the
-    paper); ``align_labels`` relabels elite pairs onto the best sample so far. ``stop``: a
-    ``perf_counter`` deadline, a :class:`_Stops` (with ``effort``, the meter charged), or None.
+    paper); ``align_labels`` relabels elite pairs onto the best sample so far. The loop
+    stops at ``stop`` (a :class:`_Stops`: time and/or the work charged to ``effort``).
     """
     n, e, per = problem.num_experts, problem.ep_size, problem.experts_per_device
     n_elite = max(1, math.ceil(float(opts["elite"]) * num_samples))
@@ -301,7 +300,6 @@ def _cross_entropy_joint(
     rows, cols, vals = problem.nnz_rows, w.indices, w.data
     best_score, best_ep = -np.inf, None
     done, cut = 0, False
-    stop = stop if isinstance(stop, _Stops) else _Stops(stop, None)
     for _ in range(iterations):
         if stop.reached(effort):
             cut = True
@@ -367,7 +365,7 @@ class _Scorer:
 
     def __call__(self, x: np.ndarray) -> tuple[np.ndarray, float]:
         sub, effort = self.problem, self.effort
-        gain = gains_charged(sub, x, effort)
+        gain = device_gains(sub, x, effort)
         result = assign_for_problem(
             sub, gain, prices=self.prices, sweeps=self.sweeps, exact=False, effort=effort
         )
@@ -381,7 +379,7 @@ class _Scorer:
             sub, x, t, sweeps=self.sweeps, max_rounds=self.rounds, swaps=self.swaps,
             exact=False, effort=effort,
         )  # fmt: skip
-        after = _score(sub, gains_charged(sub, y, effort), t, self.batch_aware, effort)
+        after = _score(sub, device_gains(sub, y, effort), t, self.batch_aware, effort)
         # the polish raises the objective; net of the batch cap it may not
         return (y, after) if after >= before else (x, before)
 
@@ -391,12 +389,7 @@ def _score(
 ) -> float:
     """The objective, net of the runtime cap's take-back on the fitting batches if asked."""
     score = objective(problem, gain, t)
-    if not batch_aware:
-        return score
-    entries = problem.batch_entries
-    size = 0 if entries is None else entries[0].size
-    charge(effort, "batch_overflow", entries=size + gain.size)
-    return score - batch_overflow(problem, gain, t)
+    return score - batch_overflow(problem, gain, t, effort) if batch_aware else score
 
 
 def _earliest(a: float | None, b: float | None) -> float | None:
@@ -439,7 +432,7 @@ def _solve_improved(
     polish_stop, screen_stop = _Stops(polish_end, limit), _Stops(polish_end, limit)
     for x, t in zip(candidates, tokens, strict=True):
         tick, units = time.perf_counter(), effort.spent
-        gain = gains_charged(problem, x, effort)
+        gain = device_gains(problem, x, effort)
         if t is None:
             t = assign_for_problem(problem, gain, sweeps=10, effort=effort).token_to_device
         else:
@@ -468,7 +461,7 @@ def _solve_improved(
                 effort=effort,
             )  # fmt: skip
             rounds += more
-            polished = _score(problem, gains_charged(problem, y, effort), u, aware, effort)
+            polished = _score(problem, device_gains(problem, y, effort), u, aware, effort)
             # the polish raises the objective; net of the batch cap it may not
             if polished >= score_ce:
                 x, t, score = y, u, polished
@@ -479,7 +472,7 @@ def _solve_improved(
             break
     _, x, t = best
     # A last, fully converged token assignment for the final experts.
-    gain = gains_charged(problem, x, effort)
+    gain = device_gains(problem, x, effort)
     t_final = assign_for_problem(problem, gain, effort=effort).token_to_device
     if _score(problem, gain, t_final, aware) >= _score(problem, gain, t, aware):
         t = t_final

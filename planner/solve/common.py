@@ -66,12 +66,16 @@ _PENALTY_BETAS = (1.0, 1.05, 1.1, 1.25, 1.5, float("inf"))
 # Gains and scores ---------------------------------------------------------------------------
 
 
-def device_gains(problem: LayerProblem, expert_to_device: np.ndarray) -> np.ndarray:
+def device_gains(
+    problem: LayerProblem, expert_to_device: np.ndarray, effort: Effort | None = None
+) -> np.ndarray:
     """G [J, E] float64: local activations of each token on each device.
 
     ``G[j, d] = sum_{k: expert_to_device[k] == d} W[j, k]``; one bincount over W's nonzeros.
+    The work is charged to ``effort`` when given.
     """
     w, e = problem.affinity, problem.ep_size
+    charge(effort, "device_gains", entries=w.nnz + problem.num_tokens * e)
     key = problem.nnz_rows * e + expert_to_device[w.indices]
     return np.bincount(key, weights=w.data, minlength=problem.num_tokens * e).reshape(-1, e)
 
@@ -571,16 +575,25 @@ def token_imbalance(freq: np.ndarray, token_to_device: np.ndarray, ep_size: int)
     return float(loads.max() / mean) if mean > 0 else 1.0
 
 
-def batch_overflow(problem: LayerProblem, gain: np.ndarray, token_to_device: np.ndarray) -> float:
+def batch_overflow(
+    problem: LayerProblem,
+    gain: np.ndarray,
+    token_to_device: np.ndarray,
+    effort: Effort | None = None,
+) -> float:
     """Local activations the runtime's per-batch cap would take back (0 without batches).
 
     In each fitting batch g (``problem.batch_freq``, :mod:`planner.predict.batches`) a device
     keeps at most ``beta * S_g / E`` of the batch's occurrences (S_g over the problem's
     rows), the most confident tokens (largest local share, :func:`token_confidence`) first,
     as the runtime does. An evicted occurrence is counted as local at its token's mean rate
-    over the other devices. Penalty mode (no cap) and E = 1 lose nothing.
+    over the other devices. Penalty mode (no cap) and E = 1 lose nothing. The work is
+    charged to ``effort`` when given.
     """
     entries, e = problem.batch_entries, problem.ep_size
+    charge(
+        effort, "batch_overflow", entries=(0 if entries is None else entries[0].size) + gain.size
+    )
     if entries is None or entries[0].size == 0 or problem.balance != "cap" or e == 1:
         return 0.0
     rows, batch, occ, cap = entries
@@ -646,7 +659,7 @@ def polish(
     to it). Returns (expert_to_device, token_to_device, rounds).
     """
     x = np.asarray(expert_to_device, dtype=np.int64)
-    gain = gains_charged(problem, x, effort)
+    gain = device_gains(problem, x, effort)
     result = assign_for_problem(problem, gain, sweeps=sweeps, exact=exact, effort=effort)
     prices = result.prices
     t, best = token_to_device, objective(problem, gain, token_to_device)
@@ -658,7 +671,7 @@ def polish(
             break
         improved = False
         for x_new in _moves(problem, x, t, gain, prices, swaps, deadline, effort):
-            gain_new = gains_charged(problem, x_new, effort)
+            gain_new = device_gains(problem, x_new, effort)
             result = assign_for_problem(
                 problem, gain_new, prices=prices, sweeps=sweeps, exact=exact, effort=effort
             )
@@ -801,14 +814,6 @@ def _moves(problem, x, t, gain, prices, swaps: bool, deadline: float | None, eff
                     single = x.copy()
                     single[a], single[b] = x[b], x[a]
                     yield single
-
-
-def gains_charged(problem: LayerProblem, expert_to_device: np.ndarray, effort) -> np.ndarray:
-    """:func:`device_gains`, its work charged to ``effort`` (an Effort or None)."""
-    charge(
-        effort, "device_gains", entries=problem.affinity.nnz + problem.num_tokens * problem.ep_size
-    )
-    return device_gains(problem, expert_to_device)
 
 
 def _out_of_time(deadline: float | None) -> bool:

@@ -18,7 +18,7 @@ to the solve's seconds) and by ``benchmarks/solve_speed.py``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # Cost of each kernel's work in units: (per call, per matrix entry, per loop step). What a
 # call, an entry and a step are is the kernel's own (see where it charges). Fitted (least
@@ -49,21 +49,17 @@ class Effort:
     Attributes:
         spent: units charged so far.
         stop: the spent total at which :attr:`exhausted` turns true (None: never).
-        by_kernel: units charged per kernel name (where the work went).
     """
 
     spent: float = 0.0
     stop: float | None = None
-    by_kernel: dict[str, float] = field(default_factory=dict)
 
     def charge(
         self, kernel: str, entries: float = 0.0, steps: float = 0.0, calls: float = 1.0
     ) -> None:
         """Add the cost (:data:`COSTS`) of ``calls`` calls, ``entries`` entries, ``steps`` steps."""
         per_call, per_entry, per_step = COSTS[kernel]
-        units = per_call * calls + per_entry * entries + per_step * steps
-        self.spent += units
-        self.by_kernel[kernel] = self.by_kernel.get(kernel, 0.0) + units
+        self.spent += per_call * calls + per_entry * entries + per_step * steps
 
     @property
     def exhausted(self) -> bool:
