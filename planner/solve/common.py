@@ -586,8 +586,9 @@ def batch_overflow(
     In each fitting batch g (``problem.batch_freq``, :mod:`planner.predict.batches`) a device
     keeps at most ``beta * S_g / E`` of the batch's occurrences (S_g over the problem's
     rows), the most confident tokens (largest local share, :func:`token_confidence`) first,
-    as the runtime does. An evicted occurrence is counted as local at its token's mean rate
-    over the other devices. Penalty mode (no cap) and E = 1 lose nothing. The work is
+    as the runtime does. An evicted occurrence is counted as local at its row's mean rate
+    over the other devices (per occurrence: ``problem.occurrences``, which for the n-gram
+    term's load-free context rows are the fitting tokens seen in the context). Penalty mode (no cap) and E = 1 lose nothing. The work is
     charged to ``effort`` when given.
     """
     entries, e = problem.batch_entries, problem.ep_size
@@ -605,7 +606,7 @@ def batch_overflow(
         return 0.0
     # only the (batch, device) groups over their cap: rank by confidence, evict the tail
     rows, batch, occ, key = rows[over], batch[over], occ[over], key[over]
-    act, freq = problem.token_activations, problem.token_freq
+    act, freq = problem.token_activations, problem.occurrences
     own = gain[np.arange(t.size), t]
     conf = token_confidence(problem, gain, t)
     loss_each = np.divide(

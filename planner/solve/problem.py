@@ -70,9 +70,14 @@ class LayerProblem:
             the solvers; lets a caller turn a placement into a vocabulary table).
         layer: optional MoE layer index (for messages and reports).
         batch_freq: optional [J, G] sparse occurrences of each row's token in each of G
-            fitting batches (:mod:`planner.predict.batches`); rows of load-free items are
-            empty. Used to estimate what the runtime's per-batch cap takes back
+            fitting batches (:mod:`planner.predict.batches`); the rows of load-free items
+            are empty or hold the occurrences the row stands for. Used to estimate what the runtime's per-batch cap takes back
             (:func:`planner.solve.common.batch_overflow`).
+        row_occurrences: optional [J] occurrences each row stands for at run time (None:
+            ``token_freq``). A load-free row can still stand for occurrences: an n-gram
+            context row stands for the fitting tokens seen in its context, which the n-gram
+            table sends to the row's device, so the runtime's per-batch cap can take them
+            back (:func:`planner.solve.common.batch_overflow`).
 
     Example: 3 tokens, 4 experts, E = 2::
 
@@ -92,6 +97,7 @@ class LayerProblem:
     token_ids: np.ndarray | None = None
     layer: int | None = None
     batch_freq: sparse.csr_matrix | None = None
+    row_occurrences: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         where = "" if self.layer is None else f" (layer {self.layer})"
@@ -163,6 +169,14 @@ class LayerProblem:
                     f"batch_freq{where} must be [{num_tokens}, G] and >= 0, got shape {b.shape}"
                 )
             object.__setattr__(self, "batch_freq", b)
+        if self.row_occurrences is not None:
+            occ = np.asarray(self.row_occurrences, dtype=np.float64)
+            if occ.shape != (num_tokens,) or not np.isfinite(occ).all() or (occ < 0).any():
+                raise InputError(
+                    f"row_occurrences{where} must be [{num_tokens}] finite and >= 0, got "
+                    f"shape {occ.shape}"
+                )
+            object.__setattr__(self, "row_occurrences", occ)
         object.__setattr__(self, "affinity", w)
         object.__setattr__(self, "token_freq", freq)
         object.__setattr__(self, "ep_size", int(e))
@@ -195,6 +209,11 @@ class LayerProblem:
     def total_activations(self) -> float:
         """sum(W): routed activations (the LAR's denominator)."""
         return float(self.affinity.data.sum())
+
+    @property
+    def occurrences(self) -> np.ndarray:
+        """[J] occurrences each row stands for at run time (``row_occurrences`` or ``a``)."""
+        return self.token_freq if self.row_occurrences is None else self.row_occurrences
 
     @property
     def capacity(self) -> float:
@@ -273,6 +292,7 @@ class LayerProblem:
             token_freq=self.token_freq[rows],
             token_ids=None if self.token_ids is None else self.token_ids[rows],
             batch_freq=None if self.batch_freq is None else self.batch_freq[rows],
+            row_occurrences=None if self.row_occurrences is None else self.row_occurrences[rows],
         )
 
     def heaviest_rows(self, count: int, among: np.ndarray | None = None) -> np.ndarray:

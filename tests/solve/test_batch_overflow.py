@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from scipy import sparse
 
+from planner.errors import InputError
 from planner.solve.common import batch_overflow, device_gains, token_confidence
 from planner.solve.problem import LayerProblem, SolverConfig
 from planner.solve.registry import get_solver
@@ -14,7 +15,7 @@ from tests.solve.instances import random_problem
 
 def overflow_by_hand(problem: LayerProblem, gain: np.ndarray, t: np.ndarray) -> float:
     """The same quantity, one (batch, device) at a time, most confident token first."""
-    e, act, freq = problem.ep_size, problem.token_activations, problem.token_freq
+    e, act, freq = problem.ep_size, problem.token_activations, problem.occurrences
     conf = token_confidence(problem, gain, t)
     b = problem.batch_freq.toarray()
     lost = 0.0
@@ -47,6 +48,37 @@ def test_matches_a_per_batch_reference(seed: int) -> None:
     assert sub.batch_freq.shape == (150, 5)
     assert batch_overflow(base, gain, t) == 0.0
     assert batch_overflow(problem.with_options(balance="penalty"), gain, t) == 0.0
+
+
+def test_load_free_rows_that_stand_for_occurrences_are_charged() -> None:
+    # n-gram context rows: no load on the capacity, but occurrences the runtime cap sees
+    base = random_problem(200, 8, 2, top_k=2, seed=4)
+    rng = np.random.default_rng(4)
+    rows = rng.gamma(0.5, 1.0, (6, 8))
+    rows[:, 4:] = 0.0  # all six prefer device 0
+    rows *= 2.0 * base.total_freq / rows.sum()  # standing for as many occurrences as the tokens
+    occ = rows.sum(axis=1) / 2.0  # top-2: two activations per occurrence
+    share = rng.dirichlet(np.ones(3), base.num_tokens)
+    token_batches = np.round(share * base.token_freq[:, None])
+    sizes = token_batches.sum(axis=0) / base.total_freq
+    w = sparse.vstack([base.affinity, sparse.csr_matrix(rows)])
+    freq = np.concatenate([base.token_freq, np.zeros(6)])
+    charged = LayerProblem(
+        w, freq, 2, row_occurrences=np.concatenate([base.token_freq, occ]),
+        batch_freq=sparse.csr_matrix(np.vstack([0.5 * token_batches, 0.5 * np.outer(occ, sizes)])),
+    )  # fmt: skip
+    assert charged.capacity == pytest.approx(base.capacity)
+    x = np.arange(8) // 4
+    gain = device_gains(charged, x)
+    t = gain.argmax(axis=1)  # every row on its best device (as the n-gram table sends them)
+    lost = batch_overflow(charged, gain, t)
+    assert lost > 0.05 * base.total_activations
+    assert lost == pytest.approx(overflow_by_hand(charged, gain, t))
+    # the same rows without occurrences cost nothing when evicted
+    free = charged.with_options(row_occurrences=None)
+    assert batch_overflow(free, gain, t) < lost
+    with pytest.raises(InputError, match="row_occurrences"):
+        charged.with_options(row_occurrences=np.ones(3))
 
 
 def test_one_batch_within_the_cap_loses_nothing() -> None:

@@ -92,6 +92,36 @@ def test_layer_weight_follows_token_reliability(predictor):
     assert expect > 1.9
 
 
+def test_context_rows_take_the_ngram_tables_share_of_the_batches(predictor):
+    problems = layer_problems(predictor, 4)
+    p = problems[2]
+    assert p.batch_freq is not None
+    placed = np.zeros((4, 8), np.int64)
+    placed[0], placed[1] = np.arange(8) % 4, np.arange(8) // 2
+    j = p.num_tokens
+    top1 = ngram_context_affinity(predictor.transitions, placed, 2, 4, 2, "top1").toarray()
+    occ = top1[top1.sum(axis=1) > 0].sum(axis=1)  # tokens seen per context
+    # u = 0.75: the n-gram table makes about 3 in 4 of the runtime's choices at layer 2
+    term = NgramTerm(predictor.transitions, order=2, weight=0.5, unreliable=(0, 0, 0.75, 0))
+    ext = term.extend(p, 2, placed, run_start=0)
+    np.testing.assert_allclose(ext.occurrences[j:], occ)
+    np.testing.assert_array_equal(ext.occurrences[:j], p.token_freq)
+    assert occ.sum() == pytest.approx(p.total_freq)  # every fitting token has a context
+    b, b0 = ext.batch_freq.toarray(), p.batch_freq.toarray()
+    np.testing.assert_allclose(b[:j], 0.25 * b0)
+    sizes = b0.sum(axis=0) / p.total_freq
+    np.testing.assert_allclose(b[j:], 0.75 * np.outer(occ, sizes))
+    np.testing.assert_allclose(b.sum(axis=0), b0.sum(axis=0))  # same batches, same caps
+    assert (ext.token_freq[j:] == 0).all()
+    # where the token table makes most choices (or no shrinkage is known) the batches stay
+    # the token rows'
+    for unreliable in (None, (0, 0, 0.25, 0)):
+        term = NgramTerm(predictor.transitions, order=2, weight=0.5, unreliable=unreliable)
+        kept = term.extend(p, 2, placed, 0)
+        np.testing.assert_allclose(kept.batch_freq.toarray(), np.vstack([b0, 0 * b[j:]]))
+        np.testing.assert_allclose(kept.occurrences[j:], occ)
+
+
 def test_plans_weigh_the_term_by_the_predictors_shrinkage(predictor, monkeypatch):
     seen = []
     original = NgramTerm.extend
