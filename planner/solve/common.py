@@ -588,8 +588,8 @@ def batch_overflow(
     rows), the most confident tokens (largest local share, :func:`token_confidence`) first,
     as the runtime does. An evicted occurrence is counted as local at its row's mean rate
     over the other devices (per occurrence: ``problem.occurrences``, which for the n-gram
-    term's load-free context rows are the fitting tokens seen in the context). Penalty mode (no cap) and E = 1 lose nothing. The work is
-    charged to ``effort`` when given.
+    term's load-free context rows are the fitting tokens seen in the context). Penalty mode
+    (no cap) and E = 1 lose nothing. The work is charged to ``effort`` when given.
     """
     entries, e = problem.batch_entries, problem.ep_size
     charge(

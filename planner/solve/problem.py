@@ -71,8 +71,8 @@ class LayerProblem:
         layer: optional MoE layer index (for messages and reports).
         batch_freq: optional [J, G] sparse occurrences of each row's token in each of G
             fitting batches (:mod:`planner.predict.batches`); the rows of load-free items
-            are empty or hold the occurrences the row stands for. Used to estimate what the runtime's per-batch cap takes back
-            (:func:`planner.solve.common.batch_overflow`).
+            are empty or hold the occurrences the row stands for. Used to estimate what the
+            runtime's per-batch cap takes back (:func:`planner.solve.common.batch_overflow`).
         row_occurrences: optional [J] occurrences each row stands for at run time (None:
             ``token_freq``). A load-free row can still stand for occurrences: an n-gram
             context row stands for the fitting tokens seen in its context, which the n-gram
