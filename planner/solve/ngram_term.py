@@ -181,11 +181,15 @@ class NgramTerm:
         ``2 weight sqrt(k)`` for top-1: between counting the top-1 activation for itself
         alone and for all k (both measured worse; see the module doc).
         """
-        u = 0.0 if self.unreliable is None else float(self.unreliable[layer])
+        u = self._unreliable(layer)
         if u <= 0 or context_activations <= 0 or token_activations <= 0:
             return self.weight
         ratio = token_activations / context_activations
         return self.weight * (1.0 + u * (2.0 * math.sqrt(ratio) - 1.0))
+
+    def _unreliable(self, layer: int) -> float:
+        """Layer ``layer``'s share u of :attr:`unreliable` (0 when none is known)."""
+        return 0.0 if self.unreliable is None else float(self.unreliable[layer])
 
     def runs(self, num_layers: int) -> list[list[int]]:
         """Layer ids split into ceil(L / RUN_LAYERS) runs of consecutive layers, near-equal."""
@@ -241,13 +245,16 @@ class NgramTerm:
             return problem
         raw, seen = found
         rows = raw * self.layer_weight(layer, problem.total_activations, float(raw.sum()))
-        # occurrences per context: its tokens' top-1 activations (one per token)
-        top1 = ngram_context_affinity(
-            self.transitions, expert_to_device, layer, problem.ep_size, self.order, "top1"
-        )
-        occurrences = np.asarray(top1[seen].sum(axis=1)).ravel()
+        # occurrences per context: its tokens' top-1 activations (one per token), which are
+        # the rows themselves for the top-1 target
+        top1 = raw
+        if self.target != "top1":
+            top1 = ngram_context_affinity(
+                self.transitions, expert_to_device, layer, problem.ep_size, self.order, "top1"
+            )[seen]
+        occurrences = np.asarray(top1.sum(axis=1)).ravel()
         batch_freq = problem.batch_freq
-        u = 0.0 if self.unreliable is None else float(self.unreliable[layer])
+        u = self._unreliable(layer)
         if batch_freq is not None and u >= BATCH_SHARE_FROM:
             share = np.asarray(batch_freq.sum(axis=0)).ravel() / max(problem.total_freq, 1e-300)
             batch_freq = sparse.vstack(
