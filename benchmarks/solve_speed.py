@@ -7,7 +7,8 @@ Solved at EP 8 and EP 32 with each method (``ceo`` in both variants), each in a 
 child process that loads the instance and solves it, so that its peak RSS (VmHWM) is the
 solve's own (``rss_before_solve_mib``: after loading); LAR and token imbalance are reported
 alongside the seconds, and for CEO the work units its budget counted (``effort``,
-:mod:`planner.solve.effort`: the default budget of 5M units is what bounds CEO's time;
+:mod:`planner.solve.effort`: the default budget of 5M units per layer, a 58-layer model's
+share (:func:`planner.solve.ceo.model_layer_effort`), is what bounds CEO's time;
 units per second on a machine say how well the cost model tracks it there). EP 32 token
 imbalance exceeds 1.1 because the most frequent tokens each carry more than 1.1/32 of all
 occurrences (indivisible tokens, see :mod:`planner.solve.problem`).

@@ -55,8 +55,11 @@ keeps what it needs (about 2.5 times a screening assignment), the screening gets
 what remains and the polish the other half. So the result depends on the inputs and the
 seed only, not on the machine's speed or load, nor on ``--jobs``
 (``info["search_cut_by_budget"]`` says whether the budget cut the search; ``info["effort"]``
-is the work spent). ``time_budget`` (soft seconds, off by default) adds a wall-clock budget
-split the same way; with it the result depends on the machine again.
+is the work spent, ``info["effort_budget"]`` the budget). A whole model solved by
+:func:`planner.solve.plan.solve_model` gets a default budget for the model, shared over its
+layers (:func:`model_layer_effort`: 7.5M per layer up to 38 layers, 5M from 58 on).
+``time_budget`` (soft seconds, off by default) adds a wall-clock budget split the same way;
+with it the result depends on the machine again.
 ``SolverConfig.time_limit`` is a hard wall-clock limit on all of it.
 ``warm_start`` (off by default) starts the distribution around a balanced k-means
 clustering of the experts instead of uniform. Measured at the edges of
@@ -101,6 +104,13 @@ VARIANTS = ("improved", "paper")
 # processes sharing its two cores, so that 58 such layers solve within 5 minutes with
 # --jobs 2 (benchmarks/solve_speed.py --full).
 DEFAULT_EFFORT = 5.0e6
+# A whole model's default budget (planner.solve.plan.solve_model): what DEFAULT_EFFORT per
+# layer gives a 58-layer DeepSeek-V3, shared out over a smaller model's layers, each layer
+# getting between DEFAULT_EFFORT and MAX_LAYER_EFFORT (model_layer_effort). More search is
+# not better without end on held-out data (benchmarks/compare_traces.py: 5M -> 7.5M per layer
+# won the example's one lost case and cost FLAME-MoE 0.7% of its lead), hence the cap.
+MODEL_EFFORT = 58 * DEFAULT_EFFORT
+MAX_LAYER_EFFORT = 1.5 * DEFAULT_EFFORT
 
 DEFAULTS: dict[str, object] = {
     "variant": "improved",
@@ -137,6 +147,17 @@ DEFAULTS: dict[str, object] = {
     "time_budget": None,  # soft seconds per layer besides (None: none); the time limit is hard
     "search_share": 0.6,  # share of the budget for the search, the rest for the final polish
 }
+
+
+def model_layer_effort(num_layers: int) -> float:
+    """The default ``effort`` of each layer when a model of ``num_layers`` MoE layers is solved.
+
+    MODEL_EFFORT / num_layers, clipped to [DEFAULT_EFFORT, MAX_LAYER_EFFORT]: a model of up
+    to 38 layers gets 7.5M units per layer, a 58-layer one 5M, and larger ones 5M as well
+    (their solve time grows with the layer count, as before).
+    """
+    share = MODEL_EFFORT / max(int(num_layers), 1)
+    return float(min(MAX_LAYER_EFFORT, max(DEFAULT_EFFORT, share)))
 
 
 def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
@@ -492,6 +513,7 @@ def _solve_improved(
         "restarts_used": its[1] if isinstance(its, tuple) else 0,
         "search_cut_by_budget": cut,
         "effort": round(effort.spent),
+        "effort_budget": None if limit is None else round(limit),
         "candidates": log,
     }
     if aware and problem.batch_freq is not None:

@@ -23,6 +23,7 @@ model. A plan is a directory::
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import io
 import json
 import multiprocessing as mp
@@ -35,6 +36,7 @@ import numpy as np
 
 from planner._io import atomic_path
 from planner.errors import InputError, MismatchError, SchemaError
+from planner.solve.ceo import model_layer_effort
 from planner.solve.chain import chain_polish
 from planner.solve.ngram_term import NgramTerm, restrict
 from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig
@@ -49,6 +51,19 @@ def layer_seed(seed: int, layer: int) -> int:
     return int(
         np.random.SeedSequence([int(seed), int(layer)]).generate_state(1, dtype=np.uint32)[0]
     )
+
+
+def _model_budget(config: SolverConfig, method: str, num_layers: int) -> SolverConfig:
+    """CEO's per-layer ``effort`` for a model of ``num_layers`` layers, unless one was given.
+
+    The default is a budget for the whole model shared over its layers
+    (:func:`planner.solve.ceo.model_layer_effort`); other methods are left as they are.
+    """
+    opts = config.for_method(method)
+    if method != "ceo" or "effort" in opts:
+        return config
+    opts["effort"] = model_layer_effort(num_layers)
+    return dataclasses.replace(config, options={**config.options, method: opts})
 
 
 def _solve_one(args: tuple[LayerProblem, str, SolverConfig]) -> LayerPlacement:
@@ -88,6 +103,7 @@ def solve_model(
     num_layers = len(problems)
     if not num_layers:
         return []
+    config = _model_budget(config, method, num_layers)
     runs = [[i] for i in range(num_layers)] if ngram_term is None else ngram_term.runs(num_layers)
     placed = np.zeros((num_layers, problems[0].num_experts), np.int64)
     results: list[LayerPlacement | None] = [None] * num_layers

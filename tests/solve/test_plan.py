@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from planner.errors import InputError, MismatchError, SchemaError
+from planner.solve.ceo import DEFAULT_EFFORT, MAX_LAYER_EFFORT, model_layer_effort
 from planner.solve.plan import Plan, layer_seed, solve_model
 from planner.solve.problem import SolverConfig
 from tests.solve.instances import random_problem
@@ -33,6 +34,20 @@ def test_parallel_solve_matches_serial() -> None:
         np.testing.assert_array_equal(a.token_to_device, b.token_to_device)
         assert a.seed == b.seed
     assert len({p.seed for p in serial}) == 3
+
+
+def test_model_budget_is_shared_over_layers() -> None:
+    # a whole model's default CEO budget: 58 x 5M units, at most 7.5M and at least 5M a layer
+    assert model_layer_effort(6) == MAX_LAYER_EFFORT == 1.5 * DEFAULT_EFFORT
+    assert model_layer_effort(58) == DEFAULT_EFFORT == model_layer_effort(94)
+    assert model_layer_effort(48) == pytest.approx(58 * DEFAULT_EFFORT / 48)
+    problems = [random_problem(60, 8, 2, seed=s, layer=s) for s in range(2)]
+    default = solve_model(problems, "ceo", SolverConfig(seed=1), progress=False)
+    assert [p.info["effort_budget"] for p in default] == [round(MAX_LAYER_EFFORT)] * 2
+    given = SolverConfig(seed=1, options={"ceo": {"effort": 1e5, "screen": 3}})
+    chosen = solve_model(problems, "ceo", given, progress=False)
+    assert [p.info["effort_budget"] for p in chosen] == [100000] * 2
+    assert given.options == {"ceo": {"effort": 1e5, "screen": 3}}  # the caller's is untouched
 
 
 def test_solve_model_rejects_unknown_method_and_jobs() -> None:
