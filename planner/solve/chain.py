@@ -61,9 +61,13 @@ Cost: k-means plus the polish on FLAME-MoE takes 0.2 s (EP 4) to 1.2 s (EP 16) f
 (EP 8) and 3.8 s (EP 32) per layer and pass in one process. Runs are independent, so
 :func:`planner.solve.plan.solve_model` polishes them in its worker processes with
 ``jobs > 1``: 32 such layers (two runs, 30k token occurrences, EP 8, k-means, 2 passes)
-took 70 s with one job and 43 s with two. ``layer_seconds`` bounds the swap search of a
-layer, not the token assignment; when it binds, the result depends on the machine's speed
-(there: 699 swaps with one job, 653 with two).
+took 70 s with one job and 43 s with two. ``layer_effort`` bounds the swap search of a
+layer in each pass (not the token assignment), in the work units of
+:mod:`planner.solve.effort` (each round of swap scoring is charged for the swap pairs
+times the terms each reads): :data:`DEFAULT_LAYER_EFFORT` is about 2 s on the reference
+machine, so the same inputs give the same placements on any machine and with any
+``jobs``. (It was 2 s of the clock before, and then the result depended on the machine's
+speed: in the 32-layer case above, 699 swaps with one job, 653 with two.)
 """
 
 from __future__ import annotations
@@ -83,6 +87,7 @@ from planner.solve.common import (
     finish,
     objective,
 )
+from planner.solve.effort import Effort, charge, exhausted
 from planner.solve.ngram_term import NgramTerm
 from planner.solve.problem import LayerPlacement, LayerProblem
 
@@ -90,6 +95,9 @@ from planner.solve.problem import LayerPlacement, LayerProblem
 _BLOCK = 1 << 22
 # Forward counts K larger than this (entries) are left out of a layer's polish.
 _MAX_FORWARD = 1 << 24
+# Work units (planner.solve.effort) of one layer's swap search per pass, about 2 s on the
+# reference machine.
+DEFAULT_LAYER_EFFORT = 2.0e6
 
 
 def chain_polish(
@@ -100,7 +108,7 @@ def chain_polish(
     *,
     passes: int = 2,
     batch_aware: bool = True,
-    layer_seconds: float | None = 2.0,
+    layer_effort: float | None = DEFAULT_LAYER_EFFORT,
 ) -> dict[int, LayerPlacement]:
     """Polish the layers of one run; returns the placements that changed, by layer.
 
@@ -112,7 +120,9 @@ def chain_polish(
             and only their terms count.
         passes: sweeps over the run at most (stops early when a sweep changes nothing).
         batch_aware: score token rows net of :func:`batch_overflow` (CEO's scoring).
-        layer_seconds: soft time for one layer's swap search (None: until no swap gains).
+        layer_effort: work units (:mod:`planner.solve.effort`) for one layer's swap search
+            in each pass (None: until no swap gains). Counted, not timed, so the polish
+            gives the same placements on any machine and with any ``jobs``.
     """
     x_all = np.stack([p.expert_to_device for p in placements]).astype(np.int64)
     t_all = {layer: placements[layer].token_to_device for layer in run}
@@ -123,8 +133,8 @@ def chain_polish(
             started = time.perf_counter()
             parts = LayerTerms(problems, term, x_all, layer, run, batch_aware)
             x_old, t_old = x_all[layer], t_all[layer]
-            deadline = None if layer_seconds is None else started + layer_seconds
-            x_new, swaps = parts.swap_search(x_old, t_old, deadline)
+            meter = Effort(stop=layer_effort)
+            x_new, swaps = parts.swap_search(x_old, t_old, meter)
             if swaps == 0:
                 continue
             problem = problems[layer]
@@ -213,6 +223,10 @@ class LayerTerms:
                 minlength=seen.size * n * e,
             )
             self.forward.append(k.reshape(seen.size, n, e))
+        # what scoring one swap reads: its token part, its change on each context row and
+        # on each (other context, device) group of each later layer (charged per swap)
+        self.width = 1 + (0 if self.rows is None else self.rows.shape[0])
+        self.width += sum(k.shape[0] * e for k in self.forward)
 
     # values ------------------------------------------------------------------------------
 
@@ -241,9 +255,13 @@ class LayerTerms:
     # search ------------------------------------------------------------------------------
 
     def swap_search(
-        self, x: np.ndarray, t: np.ndarray, deadline: float | None
+        self, x: np.ndarray, t: np.ndarray, effort: Effort | None = None
     ) -> tuple[np.ndarray, int]:
-        """Best-improvement expert swaps with the tokens fixed; (placement, swaps made)."""
+        """Best-improvement expert swaps with the tokens fixed; (placement, swaps made).
+
+        Each round's scoring of every swap is charged to ``effort``; the search stops once
+        it is exhausted (after the round that exhausted it).
+        """
         x = x.copy()
         if self.e < 2:
             return x, 0
@@ -251,9 +269,10 @@ class LayerTerms:
         swaps = 0
         scale = max(float(np.abs(s).sum()), 1.0) * 1e-12
         for _ in range(x.size):
-            if deadline is not None and time.perf_counter() > deadline:
+            if exhausted(effort):
                 break
             a, b, delta = self.swap_deltas(x, t, scores=s)
+            charge(effort, "chain_swaps", entries=a.size * self.width)
             if not a.size:
                 break
             best = int(np.argmax(delta))

@@ -10,6 +10,7 @@ from planner.errors import InputError
 from planner.predict.fit import FitConfig, fit_predictor
 from planner.solve import plan as plan_module
 from planner.solve.chain import LayerTerms, chain_polish
+from planner.solve.effort import Effort
 from planner.solve.ngram_term import NgramTerm
 from planner.solve.pipeline import PlanConfig, layer_problems, make_plan
 from planner.solve.plan import solve_model
@@ -89,6 +90,25 @@ def test_polish_raises_the_chain_objective_and_keeps_placements_valid(solved):
     regain = sum(p.info["chain_polish"]["gain"] - after[i].info["chain_polish"]["gain"]
                  for i, p in again.items())  # fmt: skip
     assert regain < 0.5 * gain
+
+
+def test_swap_search_stops_when_its_work_budget_is_spent(solved):
+    problems, term, _ = solved
+    placements = solve_model(problems, "vanilla", SolverConfig(seed=0), progress=False,
+                             ngram_term=term)  # fmt: skip
+    run = term.runs(len(problems))[0]
+    x = np.stack([p.expert_to_device for p in placements]).astype(np.int64)
+    parts = LayerTerms(problems, term, x, 2, run, batch_aware=False)
+    t = placements[2].token_to_device
+    _, free = parts.swap_search(x[2], t)  # until no swap gains
+    assert free >= 2
+    meter = Effort(stop=1.0)  # spent by the first round: one swap, then stop
+    _, cut = parts.swap_search(x[2], t, meter)
+    assert cut == 1 and meter.spent > 1.0
+    # the polish's own budget is counted the same way: a tiny one gives one swap per pass
+    capped = chain_polish(problems, placements, term, run, batch_aware=False, passes=1,
+                          layer_effort=1.0)  # fmt: skip
+    assert capped and all(p.info["chain_polish"]["swaps"] == 1 for p in capped.values())
 
 
 def test_runs_are_polished_in_worker_processes_with_the_same_result(predictor, monkeypatch):
