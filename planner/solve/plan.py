@@ -59,8 +59,10 @@ def _model_budget(config: SolverConfig, method: str, num_layers: int) -> SolverC
     The default is a budget for the whole model shared over its layers
     (:func:`planner.solve.ceo.model_layer_effort`); other methods are left as they are.
     """
+    if method != "ceo":
+        return config
     opts = config.for_method(method)
-    if method != "ceo" or "effort" in opts:
+    if "effort" in opts:
         return config
     opts["effort"] = model_layer_effort(num_layers)
     return dataclasses.replace(config, options={**config.options, method: opts})
