@@ -10,6 +10,10 @@ Held-out splits:
   evaluate (the papers' split); ``thin80``: 80% fit / 20% evaluate. All domains pooled.
 * ``cross``: fit on one domain's counts, evaluate on another's (distribution shift); the
   report gives the loss against fitting on 20% of the evaluation domain itself.
+* ``lodo`` (``--sections ...,lodo``, not run by default): leave one domain out, fit on the
+  others pooled and evaluate on it. CEO is also run given one fitting batch per domain
+  (``ceo[domain batches]``), as a trace whose runtime batches each hold one domain gives it:
+  its batch-aware score then charges placements whose devices one domain would overload.
 
 Each solver runs on the fit problem (EP 8 for OLMoE, EP 2 and 4 for Mixtral, beta 1.1);
 its token table (ids unseen in fitting go to the device holding the most expert load,
@@ -26,7 +30,7 @@ Mixtral, where the expert placements can be enumerated (35 for EP 2, 105 for EP 
 best enumerated placement (each with the shared token assignment) is the reference optimum
 of the fit objective.
 
-    python benchmarks/solve_quality.py [--quick] [--seed 0] [--out FILE]
+    python benchmarks/solve_quality.py [--quick] [--seed 0] [--sections thin,cross,ilp] [--out FILE]
 """
 
 from __future__ import annotations
@@ -104,7 +108,29 @@ def thin(tok, exp, cnt, share, rng):
     return (tok, exp, fit), (tok, exp, cnt - fit)
 
 
-def evaluate_case(case: dict, fit, held, spec, ep, methods, seed, ceo_options=None) -> dict:
+def domain_batches(ids_fit: np.ndarray, parts: list, n_experts: int, top_k: int):
+    """[J, D] occurrences of each fitting token in each of the D fitting domains.
+
+    One fitting "batch" per domain, as a trace that records runtime batches of one domain
+    each would give CEO's batch-aware score (:func:`planner.solve.common.batch_overflow`).
+    """
+    cols = []
+    for part in parts:
+        ids, w = to_matrix(*part, n_experts)
+        col = np.zeros(ids_fit.size)
+        col[np.searchsorted(ids_fit, ids)] = np.asarray(w.sum(axis=1)).ravel() / top_k
+        cols.append(col)
+    return sparse.csr_matrix(np.stack(cols, axis=1))
+
+
+def evaluate_case(
+    case: dict, fit, held, spec, ep, methods, seed, ceo_options=None, batch_parts=None
+) -> dict:
+    """Every method solved on ``fit`` and scored on ``held`` (count triples).
+
+    ``batch_parts`` (the fitting counts split by domain) adds a run ``ceo[domain batches]``:
+    CEO given one fitting batch per domain. The other methods do not read batches.
+    """
     n, k = spec["experts"], spec["top_k"]
     ids_fit, w_fit = to_matrix(*fit, n)
     ids_eval, w_eval = to_matrix(*held, n)
@@ -121,13 +147,17 @@ def evaluate_case(case: dict, fit, held, spec, ep, methods, seed, ceo_options=No
         "vanilla_expected": metrics.vanilla_local_rate(ep),
         "methods": {},
     }
-    runs = [(m, {}) for m in methods]
+    runs = [(m, {}, problem) for m in methods]
     if ceo_options:
-        runs += [(f"ceo[{label}]", opts) for label, opts in ceo_options.items()]
-    for label, opts in runs:
+        runs += [(f"ceo[{label}]", opts, problem) for label, opts in ceo_options.items()]
+    if batch_parts:
+        batches = domain_batches(ids_fit, batch_parts, n, k)
+        batched = LayerProblem(w_fit, a_fit, ep, token_ids=ids_fit, batch_freq=batches)
+        runs.append(("ceo[domain batches]", {}, batched))
+    for label, opts, solved in runs:
         method = label.split("[")[0]
         config = SolverConfig(seed=seed, options={method: opts} if opts else {})
-        placement = solve_layer(problem, method, config)
+        placement = solve_layer(solved, method, config)
         table, conf = metrics.token_table(
             ids_fit, placement.token_to_device, placement.token_confidence,
             placement.expert_to_device, spec["vocab"], ep, expert_load=problem.expert_load,
@@ -268,6 +298,9 @@ def table_lines(results: list[dict]) -> list[str]:
     return lines
 
 
+SECTIONS = ("thin", "cross", "lodo", "ilp")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--counts", type=Path, default=COUNTS)
@@ -275,19 +308,34 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--quick", action="store_true", help="layer 7 only, no ablation, one cross pair"
     )
+    ap.add_argument(
+        "--sections",
+        default="thin,cross,ilp",
+        help=f"comma-separated, of {','.join(SECTIONS)} (lodo: leave one domain out)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
+    sections = {x.strip() for x in args.sections.split(",") if x.strip()}
+    if not sections or sections - set(SECTIONS):
+        ap.error(f"--sections must name some of {', '.join(SECTIONS)}, got {args.sections!r}")
     started = time.perf_counter()
     data = load_counts(args.counts)
     rng = np.random.default_rng(args.seed)
     layers = (7,) if args.quick else (0, 7, 15)
     results = []
+
+    def run(case, fit, held, spec, ep, methods, ablation=None, batch_parts=None) -> dict:
+        r = evaluate_case(case, fit, held, spec, ep, methods, args.seed, ablation, batch_parts)
+        results.append(r)
+        print("\n".join(table_lines([r])), file=sys.stderr, flush=True)
+        return r
+
     for (model, layer), domains in sorted(data.items()):
         if layer not in layers:
             continue
         spec = MODELS[model]
         all_counts = pooled(domains)
-        for split, share in (("thin20", 0.2), ("thin80", 0.8)):
+        for split, share in (("thin20", 0.2), ("thin80", 0.8)) if "thin" in sections else ():
             fit, held = thin(*all_counts, share, rng)
             for ep in spec["ep"]:
                 ablation = (
@@ -296,25 +344,14 @@ def main(argv=None) -> int:
                     else None
                 )
                 case = {"model": model, "layer": layer, "split": split}
-                results.append(
-                    evaluate_case(case, fit, held, spec, ep, METHODS, args.seed, ablation)
-                )
-                print("\n".join(table_lines(results[-1:])), file=sys.stderr, flush=True)
-        pairs = CROSS_PAIRS[:1] if args.quick else CROSS_PAIRS
+                run(case, fit, held, spec, ep, METHODS, ablation)
+        pairs = (CROSS_PAIRS[:1] if args.quick else CROSS_PAIRS) if "cross" in sections else ()
         for src, dst in pairs:
             if src not in domains or dst not in domains:
                 continue
             for ep in spec["ep"]:
                 case = {"model": model, "layer": layer, "split": f"cross {src}->{dst}"}
-                r = evaluate_case(
-                    case,
-                    domains[src],
-                    domains[dst],
-                    spec,
-                    ep,
-                    ("ceo", *BASELINES, "vanilla"),
-                    args.seed,
-                )
+                r = run(case, domains[src], domains[dst], spec, ep, METHODS)
                 # in-domain reference: fit on 20% of the destination domain itself
                 fit, held = thin(*domains[dst], 0.2, rng)
                 ref = evaluate_case(
@@ -324,60 +361,85 @@ def main(argv=None) -> int:
                 r["cross_domain_loss"] = (
                     1 - r["methods"]["ceo"]["lar_balanced"] / r["in_domain_ceo_lar_balanced"]
                 )
-                results.append(r)
-                print("\n".join(table_lines(results[-1:])), file=sys.stderr, flush=True)
                 print(
                     f"  cross-domain loss of ceo vs in-domain 20% fit: {r['cross_domain_loss']:.1%}",
                     file=sys.stderr,
                 )
+        # leave one domain out: fit on the other domains pooled, evaluate on the one left out
+        left_out = sorted(domains)[:1] if args.quick else sorted(domains)
+        for out in left_out if "lodo" in sections else ():
+            parts = [domains[d] for d in sorted(domains) if d != out]
+            fit = tuple(np.concatenate([p[i] for p in parts]) for i in range(3))
+            for ep in spec["ep"]:
+                case = {"model": model, "layer": layer, "split": f"lodo {out}"}
+                run(case, fit, domains[out], spec, ep, METHODS, batch_parts=parts)
 
-    def ratios(kind: str) -> list[float]:
-        return [
-            r["ceo_over_best_baseline"] for r in results
-            if "ceo_over_best_baseline" in r and r["split"].startswith(kind)
-        ]  # fmt: skip
+    def ratios(kind: str, method: str = "ceo") -> list[float]:
+        out = []
+        for r in results:
+            base = [r["methods"][b]["lar_balanced"] for b in BASELINES if b in r["methods"]]
+            if r["split"].startswith(kind) and method in r["methods"] and base:
+                out.append(r["methods"][method]["lar_balanced"] / max(base))
+        return out
 
-    in_domain, cross = ratios("thin"), ratios("cross")
+    def stats(values: list[float]) -> dict | None:
+        if not values:
+            return None
+        return {"mean": float(np.mean(values)), "min": min(values), "cases": len(values),
+                "wins": sum(v >= 1.0 for v in values)}  # fmt: skip
+
+    def wins_against_each(kind: str) -> dict | None:
+        cases = [r for r in results if r["split"].startswith(kind) and "ceo" in r["methods"]]
+        if not cases:
+            return None
+        return {
+            b: sum(
+                r["methods"]["ceo"]["lar_balanced"] >= r["methods"][b]["lar_balanced"]
+                for r in cases
+            )
+            for b in BASELINES
+        }
+
     enumerated = [
         r["methods"]["ceo"]["fit_lar"] / r["enumerated_fit_optimum"]["fit_lar"]
         for r in results if "enumerated_fit_optimum" in r
     ]  # fmt: skip
+    olmoe_thin = [
+        r["ceo_over_vanilla"]
+        for r in results
+        if r["model"] == "OLMoE" and r["split"].startswith("thin") and "ceo_over_vanilla" in r
+    ]
     summary = {
         "cases": len(results),
-        "in_domain_ceo_over_best_baseline_min": min(in_domain),
-        "in_domain_ceo_over_best_baseline_mean": float(np.mean(in_domain)),
-        "cross_domain_ceo_over_best_baseline_min": min(cross) if cross else None,
-        "cross_domain_ceo_over_best_baseline_mean": float(np.mean(cross)) if cross else None,
+        "in_domain_ceo_over_best_baseline": stats(ratios("thin")),
+        "cross_domain_ceo_over_best_baseline": stats(ratios("cross")),
+        "cross_domain_ceo_at_least_each_baseline": wins_against_each("cross"),
+        "lodo_ceo_over_best_baseline": stats(ratios("lodo")),
+        "lodo_ceo_domain_batches_over_best_baseline": stats(ratios("lodo", "ceo[domain batches]")),
+        "lodo_ceo_at_least_each_baseline": wins_against_each("lodo"),
         "ceo_fit_over_enumerated_optimum_min": min(enumerated) if enumerated else None,
         "ceo_imbalance_balanced_max": max(
-            r["methods"]["ceo"]["imbalance_balanced"] for r in results
+            (r["methods"]["ceo"]["imbalance_balanced"] for r in results), default=None
         ),
-        "olmoe_pooled_ceo_over_vanilla_min": min(
-            r["ceo_over_vanilla"]
-            for r in results
-            if r["model"] == "OLMoE" and r["split"].startswith("thin")
-        ),  # fmt: skip
+        "olmoe_pooled_ceo_over_vanilla_min": min(olmoe_thin) if olmoe_thin else None,
         "cross_domain_loss": {
             f"{r['model']} L{r['layer']} EP{r['ep']} {r['split']}": r["cross_domain_loss"]
             for r in results
             if "cross_domain_loss" in r
         },  # fmt: skip
-        "seconds": time.perf_counter() - started,
     }
-    small = ilp_reference(data, args.seed, args.quick)
-    print(
-        f"ILP reference: {small['proven_optimal']}/{len(small['instances'])} proven optimal; "
-        f"min ratio to optimum {small['ratio_to_optimum_min']}",
-        file=sys.stderr,
-    )
-    summary["ilp_small"] = {k: v for k, v in small.items() if k != "instances"}
-    report = {
-        "benchmark": "solve_quality",
-        "ilp_small_instances": small["instances"],
-        "seed": args.seed,
-        "summary": summary,
-        "results": results,
-    }
+    report = {"benchmark": "solve_quality", "seed": args.seed, "sections": sorted(sections)}
+    if "ilp" in sections:
+        small = ilp_reference(data, args.seed, args.quick)
+        print(
+            f"ILP reference: {small['proven_optimal']}/{len(small['instances'])} proven optimal; "
+            f"min ratio to optimum {small['ratio_to_optimum_min']}",
+            file=sys.stderr,
+        )
+        summary["ilp_small"] = {k: v for k, v in small.items() if k != "instances"}
+        report["ilp_small_instances"] = small["instances"]
+    summary["seconds"] = time.perf_counter() - started
+    report.update(summary=summary, results=results)
     emit_json(report, args.out, default=float)
     return 0
 
