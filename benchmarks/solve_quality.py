@@ -368,8 +368,8 @@ def main(argv=None) -> int:
         # leave one domain out: fit on the other domains pooled, evaluate on the one left out
         left_out = sorted(domains)[:1] if args.quick else sorted(domains)
         for out in left_out if "lodo" in sections else ():
-            parts = [domains[d] for d in sorted(domains) if d != out]
-            fit = tuple(np.concatenate([p[i] for p in parts]) for i in range(3))
+            others = [d for d in sorted(domains) if d != out]
+            parts, fit = [domains[d] for d in others], pooled(domains, others)
             for ep in spec["ep"]:
                 case = {"model": model, "layer": layer, "split": f"lodo {out}"}
                 run(case, fit, domains[out], spec, ep, METHODS, batch_parts=parts)
