@@ -16,7 +16,11 @@ carries over to new requests. About 40 s per case on 2 cores.
 
     python benchmarks/compare_traces.py [--seeds 0,1,2] [--sources flame,example]
         [--ngram top1,routed] [--ngram-weight 0.5] [--ceo-options JSON] [--chain-passes 0]
-        [--out FILE]
+        [--split request|domain] [--out FILE]
+
+``--split domain --sources example`` holds out each of the example's four prompt domains in
+turn (``moeplan trace split --heldout-domain``) and fits on the other three: how a plan
+carries over to traffic unlike what it was fitted on.
 
 Shape checks (not real routing): ``--sources synth-mixtral,synth-gptoss,synth-qwen3`` run
 the same cases on synthetic traces (``moeplan trace synth``: 6 layers, 40k tokens, 200
@@ -46,7 +50,7 @@ from _common import emit_json  # noqa: E402  (benchmarks/ is on sys.path when ru
 
 from planner.evaluate.compare import compare_methods  # noqa: E402
 from planner.predict.fit import FitConfig, fit_predictor  # noqa: E402
-from planner.predict.split import split_trace  # noqa: E402
+from planner.predict.split import split_trace, split_trace_by_domain, trace_domains  # noqa: E402
 from planner.profile.runner import ProfileConfig, profile_model  # noqa: E402
 from planner.solve.ngram_term import DEFAULT_WEIGHT  # noqa: E402
 from planner.solve.pipeline import PlanConfig  # noqa: E402
@@ -103,12 +107,23 @@ def run_case(
     ceo_options: dict,
     chain_passes: int = 0,
     ngram_defer: bool = True,
+    heldout_domain: str | None = None,
 ) -> dict:
-    held, fitting = work / f"{trace.stem}_held{seed}", work / f"{trace.stem}_fit{seed}"
-    if not held.exists():
-        split_trace(trace, fitting, held, 0.5, seed=seed)
-    fit = FitConfig(holdout=0.5, seed=seed, ngram_routed=ngram == "routed")
-    predictor = fit_predictor(trace, fit).predictor
+    """One case: split ``trace`` (50/50 by request with ``seed``, or ``heldout_domain`` held
+    out whole), fit on the fitting side, compare every method on the held-out side."""
+    name = (
+        f"{trace.stem}_{seed}" if heldout_domain is None else f"{trace.stem}_dom_{heldout_domain}"
+    )
+    held, fitting = work / f"{name}_held", work / f"{name}_fit"
+    if heldout_domain is None:
+        if not held.exists():
+            split_trace(trace, fitting, held, 0.5, seed=seed)
+        fit = FitConfig(holdout=0.5, seed=seed, ngram_routed=ngram == "routed")
+        predictor = fit_predictor(trace, fit).predictor
+    else:
+        if not held.exists():
+            split_trace_by_domain(trace, fitting, held, [heldout_domain])
+        predictor = fit_predictor(fitting, FitConfig(ngram_routed=ngram == "routed")).predictor
     result = compare_methods(
         predictor,
         open_trace(held),
@@ -127,7 +142,7 @@ def run_case(
     best = max(BASELINES, key=lambda m: rows[m]["lar_balanced"])
     fit_lar = {m: r["lar_balanced_fitting"] for m, r in rows.items()}
     return {
-        "seed": seed,
+        "seed": seed if heldout_domain is None else f"domain {heldout_domain}",
         "ngram": ngram,
         "ep": ep,
         "lar_balanced": {m: r["lar_balanced"] for m, r in rows.items()},
@@ -160,6 +175,13 @@ def main(argv=None) -> int:
         action="store_true",
         help="keep the fitted n-gram confidences (PlanConfig.ngram_defer off)",
     )
+    ap.add_argument(
+        "--split",
+        choices=("request", "domain"),
+        default="request",
+        help="request: 50/50 by request per seed; domain: hold out each domain in turn "
+        "(traces with a domain column: example and the synthetic shapes; --seeds unused)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     started = time.perf_counter()
@@ -169,7 +191,11 @@ def main(argv=None) -> int:
         for source in args.sources.split(","):
             trace = source_trace(source, work)
             eps = [int(e) for e in args.ep.split(",")] if args.ep else EP_SIZES[source]
-            for seed in (int(s) for s in args.seeds.split(",")):
+            if args.split == "domain":
+                splits = [(0, d) for d in trace_domains(open_trace(trace))]
+            else:
+                splits = [(int(s), None) for s in args.seeds.split(",")]
+            for seed, domain in splits:
                 for ngram in args.ngram.split(","):
                     for ep in eps:
                         case = {
@@ -185,11 +211,12 @@ def main(argv=None) -> int:
                                 args.ceo_options,
                                 args.chain_passes,
                                 not args.no_ngram_defer,
+                                domain,
                             ),
                         }
                         cases.append(case)
                         print(
-                            f"{source} seed {seed} {ngram} EP{ep}: ceo "
+                            f"{source} seed {case['seed']} {ngram} EP{ep}: ceo "
                             f"{case['lar_balanced']['ceo']:.4f} / {case['best_baseline']} "
                             f"{case['lar_balanced'][case['best_baseline']]:.4f} = "
                             f"{case['ceo_over_best_baseline']:.3f} "
@@ -207,6 +234,7 @@ def main(argv=None) -> int:
             "ceo_options": args.ceo_options,
             "chain_passes": args.chain_passes,
             "ngram_defer": not args.no_ngram_defer,
+            "split": args.split,
             "ceo_over_best_baseline_min": min(ratios),
             "ceo_over_best_baseline_mean": sum(ratios) / len(ratios),
             "ceo_losses": [

@@ -143,18 +143,37 @@ def ingest_sglang(
 
 @trace_app.command("split")
 def split(
-    path: str = typer.Argument(..., help="Trace to split by request."),
+    path: str = typer.Argument(..., help="Trace to split."),
     fit_out: str = typer.Option(..., "--fit-out", help="Trace directory for the fitting side."),
     heldout_out: str = typer.Option(
         ..., "--heldout-out", help="Trace directory for the held-out side."
     ),
-    holdout: float = typer.Option(0.5, "--holdout", help="Share of requests held out, in (0, 1)."),
+    holdout: float = typer.Option(
+        None, "--holdout", help="Share of requests held out, in (0, 1) (default 0.5)."
+    ),
     seed: int = typer.Option(0, "--seed", help="Seed of the split (same as `fit --seed`)."),
+    heldout_domain: str = typer.Option(
+        None,
+        "--heldout-domain",
+        help="Hold out every request of these domains (comma-separated; the trace's "
+        "'domain' column) instead of a random share of requests.",
+    ),
 ) -> None:
-    """Split a trace by request into a fitting trace and a held-out trace."""
-    from planner.predict.split import split_trace
+    """Split a trace by request (a random share, or whole domains) into fitting and held-out traces."""
+    from planner.errors import InputError
+    from planner.predict.split import split_trace, split_trace_by_domain
 
-    s = split_trace(path, fit_out, heldout_out, holdout, seed)
+    if heldout_domain is not None:
+        if holdout is not None:
+            raise InputError("choose either --holdout (random requests) or --heldout-domain")
+        s = split_trace_by_domain(path, fit_out, heldout_out, heldout_domain.split(","))
+        console.print(
+            f"held out domain(s) {', '.join(s['heldout_domains'])} of {', '.join(s['domains'])}: "
+            f"{s['fit_requests']} requests ({s['fit_tokens']} tokens) -> {fit_out}, "
+            f"{s['heldout_requests']} ({s['heldout_tokens']} tokens) -> {heldout_out}"
+        )
+        return
+    s = split_trace(path, fit_out, heldout_out, 0.5 if holdout is None else holdout, seed)
     console.print(
         f"{s['requests']} requests: {s['requests'] - s['heldout_requests']} ({s['fit_tokens']} tokens) -> "
         f"{fit_out}, {s['heldout_requests']} ({s['heldout_tokens']} tokens) -> {heldout_out}"

@@ -68,3 +68,69 @@ def test_thinning_conserves_counts_and_follows_fraction(small_meta):
     assert abs(share - 0.3) < 0.02
     fit2, _ = thin_counts(counts, 0.3, seed=4)
     assert all((x != y).nnz == 0 for x, y in zip(fit.by_layer, fit2.by_layer, strict=True))
+
+
+def _domains_and_requests(path):
+    from planner.trace import open_trace
+
+    batch = open_trace(path).read_all(extras=("domain",))
+    return np.asarray(batch.extras["domain"]).astype(str), batch.request_id
+
+
+def test_split_by_domain_holds_out_whole_domains(tmp_path, exact_trace):
+    from planner.predict.split import split_trace_by_domain, trace_domains
+    from planner.trace import open_trace
+
+    path, _ = exact_trace
+    assert trace_domains(open_trace(path)) == ["0", "1"]
+    s = split_trace_by_domain(path, tmp_path / "fit", tmp_path / "held", ["1"])
+    fit_dom, fit_req = _domains_and_requests(tmp_path / "fit")
+    held_dom, held_req = _domains_and_requests(tmp_path / "held")
+    assert set(held_dom) == {"1"} and set(fit_dom) == {"0"}
+    assert not set(fit_req.tolist()) & set(held_req.tolist())
+    assert s["fit_tokens"] + s["heldout_tokens"] == open_trace(path).num_rows
+    assert s["heldout_requests"] == np.unique(held_req).size
+    assert s["heldout_domains"] == ["1"] and s["kind"] == "domain"
+
+
+def test_split_by_domain_refuses_bad_requests_and_writes_nothing(tmp_path, exact_trace):
+    from planner.predict.split import split_trace_by_domain
+
+    path, _ = exact_trace
+    for domains, message in ((["7"], "no domain '7'"), (["0", "1"], "every domain"), ([], "given")):
+        with pytest.raises(InputError, match=message):
+            split_trace_by_domain(path, tmp_path / "fit", tmp_path / "held", domains)
+        assert not (tmp_path / "fit").exists() and not (tmp_path / "held").exists()
+
+
+def test_split_by_domain_needs_a_domain_column(tmp_path):
+    from planner.predict.split import split_trace_by_domain
+    from planner.trace import TraceMeta
+
+    from .conftest import chain_batch, write_batch
+
+    meta = TraceMeta("test/nodomain", num_layers=2, num_experts=4, top_k=1, vocab_size=10)
+    path = write_batch(
+        tmp_path / "t.parquet", meta, chain_batch(meta, np.arange(8), np.repeat([0, 1], 4))
+    )
+    with pytest.raises(InputError, match="no 'domain' column"):
+        split_trace_by_domain(path, tmp_path / "fit", tmp_path / "held", ["a"])
+
+
+def test_trace_split_cli_by_domain_and_its_one_line_errors(tmp_path, exact_trace, capsys):
+    from planner.cli.main import main
+
+    path, _ = exact_trace
+    fit, held = str(tmp_path / "fit"), str(tmp_path / "held")
+    base = ["trace", "split", str(path), "--fit-out", fit, "--heldout-out", held]
+    assert main([*base, "--heldout-domain", "0"]) == 0
+    assert "held out domain(s) 0 of 0, 1" in capsys.readouterr().out
+    for extra, message in (
+        (["--heldout-domain", "0", "--holdout", "0.3"], "choose either"),
+        (["--heldout-domain", "9"], "no domain '9'"),
+    ):
+        capsys.readouterr()
+        out = [a + "2" if a in (fit, held) else a for a in base]
+        assert main([*out, *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("moeplan: error:") and message in err and err.count("\n") == 1
