@@ -148,11 +148,11 @@ def split(
     heldout_out: str = typer.Option(
         ..., "--heldout-out", help="Trace directory for the held-out side."
     ),
-    holdout: float = typer.Option(
+    holdout: float | None = typer.Option(
         None, "--holdout", help="Share of requests held out, in (0, 1) (default 0.5)."
     ),
     seed: int = typer.Option(0, "--seed", help="Seed of the split (same as `fit --seed`)."),
-    heldout_domain: str = typer.Option(
+    heldout_domain: str | None = typer.Option(
         None,
         "--heldout-domain",
         help="Hold out every request of these domains (comma-separated; the trace's "
