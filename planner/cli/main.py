@@ -23,7 +23,7 @@ from planner.errors import MoeplanError
 try:  # recent typer vendors its own copy of click
     from typer._click.exceptions import ClickException
 except ImportError:  # pragma: no cover - older typer
-    from click.exceptions import ClickException
+    from click.exceptions import ClickException  # type: ignore[assignment]
 
 # Library exceptions -> one line, and the exit code. Anything not listed is a bug and keeps
 # its traceback.

@@ -18,6 +18,7 @@ experts, exactly as the runtime would see them:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any, cast
 
 import numpy as np
 import scipy.sparse as sp
@@ -90,7 +91,8 @@ def _local_and_remote(expert_device: np.ndarray, chosen: np.ndarray, ep_size: in
     """
     local = (expert_device == chosen[..., None]).sum(axis=2)
     onehot = np.zeros(expert_device.shape[:2] + (ep_size,), bool)
-    t_idx, l_idx, _ = np.indices(expert_device.shape, sparse=True)
+    # numpy's stubs pick their 0-d overload for a shape of unknown length
+    t_idx, l_idx, _ = cast(tuple[np.ndarray, ...], np.indices(expert_device.shape, sparse=True))
     onehot[t_idx, l_idx, expert_device] = True
     touched = onehot.sum(-1)
     here = np.take_along_axis(onehot, chosen[..., None], -1)[..., 0]
@@ -261,7 +263,10 @@ def _report(acc: _Acc, bundle: Bundle, cfg: EvalConfig, k: int, per_device: int)
     } | imbalances
     per_layer = []
     for layer in range(len(acc.occurrences)):
-        row = {"layer": layer, "model_layer": int(bundle.meta.moe_layer_indices[layer])}
+        row: dict[str, Any] = {
+            "layer": layer,
+            "model_layer": int(bundle.meta.moe_layer_indices[layer]),
+        }
         row |= {name: _num(v[layer]) for name, v in cols.items()}
         per_layer.append(row)
 

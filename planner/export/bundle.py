@@ -382,10 +382,10 @@ def _array_problems(
         arr = tables[name]
         if not np.isfinite(arr).all():
             return [f"tensor {name} holds NaN or infinite values"]
-        lo, hi = float(arr.min(initial=0)), float(arr.max(initial=0))
-        if lo < 0 or hi > 1:
-            bad = lo if lo < 0 else hi
-            return [f"tensor {name} holds confidence {bad:g}, outside [0, 1]"]
+        lo_conf, hi_conf = float(arr.min(initial=0)), float(arr.max(initial=0))
+        if lo_conf < 0 or hi_conf > 1:
+            bad_conf = lo_conf if lo_conf < 0 else hi_conf
+            return [f"tensor {name} holds confidence {bad_conf:g}, outside [0, 1]"]
     return []
 
 
@@ -650,7 +650,7 @@ def verify_bundle(path: str | os.PathLike) -> dict[str, Any]:
         "tensors": {k: int(v.nbytes) for k, v in tables.items()},
         "total_bytes": int(sum(file_sizes.values())),
     }
-    layers = []
+    layers: list[dict[str, Any]] = []
     for layer in range(meta.num_layers):
         problems = _layer_problems(
             layer, ep_size, tables["expert_to_device"], tables["expert_permutation"]

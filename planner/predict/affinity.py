@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 from scipy import sparse
@@ -107,7 +108,7 @@ class TokenExpertAffinity:
         self.top1_counts_ = tuple(counts.top1_by_layer) if counts.top1_by_layer else None
         activations = counts.token_activations()  # [L, V]
         self.token_counts_ = np.rint(activations.mean(axis=0) / m.top_k).astype(np.int64)
-        self.seen_ = (activations > 0).any(axis=0)
+        self.seen_ = cast(np.ndarray, (activations > 0).any(axis=0))
         self.load_ = counts.load()
         self.global_topk_ = np.stack(
             [_rank_experts(load)[: m.top_k] for load in self.load_]

@@ -124,9 +124,11 @@ class BatchMixAccumulator:
         if len(kept) > self.max_batches:  # evenly spaced subset
             pick = np.linspace(0, len(kept) - 1, self.max_batches).round().astype(int)
             kept = [kept[i] for i in np.unique(pick)]
-        rows = np.concatenate([np.full(ids.size, g) for g, (_, ids, _) in enumerate(kept)] or [[]])
-        cols = np.concatenate([ids for _, ids, _ in kept] or [[]])
-        data = np.concatenate([c for _, _, c in kept] or [[]])
+        rows = np.concatenate(
+            [np.full(ids.size, g) for g, (_, ids, _) in enumerate(kept)] or [np.zeros(0)]
+        )
+        cols = np.concatenate([ids for _, ids, _ in kept] or [np.zeros(0)])
+        data = np.concatenate([c for _, _, c in kept] or [np.zeros(0)])
         counts = sparse.csr_array(
             (data.astype(np.int64), (rows.astype(np.int64), cols.astype(np.int64))),
             shape=(len(kept), self.vocab_size),

@@ -161,9 +161,9 @@ class SortedKeyCounter:
     def __init__(self, dtype: type, capacity: int = 1 << 27):
         self.dtype = dtype
         self.capacity = capacity
-        self.keys = np.zeros(0, dtype)
+        self.keys: np.ndarray = np.zeros(0, dtype)
         self.counts = np.zeros(0, np.int64)
-        self._buffer = np.zeros(0, dtype)
+        self._buffer: np.ndarray = np.zeros(0, dtype)
         self._used = 0
 
     def reserve(self, n: int) -> np.ndarray:
@@ -173,7 +173,7 @@ class SortedKeyCounter:
         need = self._used + n
         if need > self._buffer.shape[0]:
             size = min(max(need, 2 * self._buffer.shape[0], 1 << 16), max(self.capacity, need))
-            grown = np.empty(size, self.dtype)
+            grown: np.ndarray = np.empty(size, self.dtype)
             grown[: self._used] = self._buffer[: self._used]
             self._buffer = grown
         view = self._buffer[self._used : need]
@@ -235,7 +235,9 @@ class CountsAccumulator:
         # key = (l * V + token) * N + expert, built with as few full-size passes as possible.
         row = token_id.astype(dt)[:, None] + (np.arange(m.num_layers, dtype=dt) * dt(m.vocab_size))
         row *= dt(m.num_experts)  # [T, L]
-        slot = self._counter.reserve(t * m.num_layers * m.top_k).reshape(t, m.num_layers, m.top_k)
+        slot: np.ndarray = self._counter.reserve(t * m.num_layers * m.top_k).reshape(
+            t, m.num_layers, m.top_k
+        )
         np.add(row[:, :, None], experts, out=slot, casting="unsafe")
         slot = self._top1.reserve(t * m.num_layers).reshape(t, m.num_layers)
         np.add(row, experts[:, :, 0], out=slot, casting="unsafe")

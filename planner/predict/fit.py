@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -185,6 +186,7 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
             fit_tokens += len(batch)
             acc.add(batch.token_id, batch.experts)
             if fold is not None:
+                assert fold_acc is not None  # created together with fold
                 in_b = np.flatnonzero(fold.heldout_mask(batch.request_id))
                 # one gather of fold B's rows at the sampled layers, not a copy of all layers
                 fold_acc.add(batch.token_id[in_b], batch.experts[in_b[:, None], fold_layers])
@@ -253,7 +255,8 @@ def _fit_counts(path: Path, config: FitConfig) -> FitResult:
             "choose either --holdout (thinning) or --eval-domain (cross-domain), not both"
         )
     counts = read_counts_table(path, config.counts)
-    heldout, split = None, None
+    heldout = None
+    split: dict[str, Any] | None = None
     if config.eval_domains:
         overlap = sorted(set(config.eval_domains) & set(counts.domains))
         if overlap:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from scipy import sparse
@@ -120,7 +121,7 @@ class SetScores:
         def f1(a, b):
             return None if a is None or b is None or a + b == 0 else round(2 * a * b / (a + b), 6)
 
-        out = {
+        out: dict[str, Any] = {
             "occurrences": {
                 "per_layer": [_r(x) for x in self.occurrences],
                 "overall": _r(self.occurrences.sum()),
@@ -268,6 +269,7 @@ class TraceEvaluator:
         self._ngram_table: NgramDeviceTable | None = None
         self._ngram_reason = _ngram_unavailable_reason(parts, m.num_experts, m.num_layers)
         if self._ngram_reason is None:
+            assert parts.transitions is not None  # else a reason was given
             self._placement = contiguous_placement(big_l, m.num_experts, parts.ep_size)
             self._ngram_table = fit_ngram_device_table(
                 parts.transitions, self._placement, parts.ep_size, parts.ngram_order
@@ -299,9 +301,11 @@ class TraceEvaluator:
             pred, top1 = aff.predict_topk(tok, layer), aff.predict_top1(tok, layer)
             self._score(self.table, layer, pred, routed, masks, top1)
             if neural_pred is not None:
+                assert self.neural is not None  # both exist iff parts.neural is set
                 pred = neural_pred[:, layer]
                 self._score(self.neural, layer, pred, routed, masks, pred[:, 0])
             if self.global_unseen is not None and (~seen).any():
+                assert self._global is not None  # built together with global_unseen
                 pred, top1 = (
                     self._global.predict_topk(tok, layer),
                     self._global.predict_top1(tok, layer),
@@ -315,6 +319,7 @@ class TraceEvaluator:
             self.confident.add(layer, t, hits, size.sum(), k * t)
         self.load += batch_load(batch.experts, self.meta.num_experts)
         if self.ngram is not None:
+            assert self._ngram_table is not None  # built together with ngram
             self.ngram.add(self._ngram_table, batch.experts, self._placement)
 
     def _score(
@@ -416,9 +421,11 @@ def evaluate_counts(parts: HeldoutParts, heldout: TokenExpertCounts) -> dict:
 
         add(table, _hit_mass(keys, mat.data, rows, aff.predict_topk(rows, layer), n))
         if neural_pred is not None:
+            assert neural is not None  # both exist iff parts.neural is set
             pred = neural_pred[np.searchsorted(all_tokens, rows), layer]
             add(neural, _hit_mass(keys, mat.data, rows, pred, n))
         if global_unseen is not None and (~seen).any():
+            assert glob is not None  # built together with global_unseen
             un = rows[~seen]
             o = occ[~seen].sum()
             hits = _hit_mass(keys, mat.data, un, glob.predict_topk(un, layer), n).sum()
@@ -470,6 +477,10 @@ def _assemble(
     cost = {"table_us_per_token": _r(prediction_cost_us(_table_all_layers(aff), cost_ids))}
     if parts.neural is not None:
         cost["neural_us_per_token"] = _r(prediction_cost_us(parts.neural.predict_topk, cost_ids))
+    neural_out = None
+    if neural is not None:
+        assert parts.neural is not None  # neural scores come only from parts.neural
+        neural_out = {**neural, "train": parts.neural.train_log_}
     out = {
         "heldout_tokens": _r(heldout_tokens),
         "layers": list(aff.meta_.moe_layer_indices),
@@ -478,7 +489,7 @@ def _assemble(
         "table": table,
         "table_confident": {"threshold": aff.confident_threshold, **confident},
         "unseen_with_global_fallback": global_unseen,
-        "neural": None if neural is None else {**neural, "train": parts.neural.train_log_},
+        "neural": neural_out,
         "kurtosis": kurtosis_summary(parts.fit_counts),
         "distribution": distribution_summary(
             parts.distribution, heldout_load, parts.fit_counts.load()

@@ -157,9 +157,11 @@ class NeuralPredictor:
                 weights, cfg.batch_size, replacement=True, generator=gen
             ).numpy()
             idx = torch.from_numpy(pick)
-            feats = first(
-                inputs[torch.from_numpy(seen[pick])] if inputs is not None else embed(idx)
-            )
+            if inputs is not None:
+                feats = first(inputs[torch.from_numpy(seen[pick])])
+            else:
+                assert embed is not None  # set whenever inputs is None
+                feats = first(embed(idx))
             logits = body(feats).view(-1, big_l, n)
             target = torch.from_numpy(targets.rows(pick))
             loss = -(target * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
@@ -177,6 +179,7 @@ class NeuralPredictor:
                 for s in range(0, v, 8192):
                     features[s : min(s + 8192, v)] = first(inputs[s : s + 8192])
             else:
+                assert embed is not None  # set whenever inputs is None
                 features[torch.from_numpy(seen)] = first(embed.weight)
             self.features_ = features
         self.body_ = body.eval()

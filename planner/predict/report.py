@@ -89,7 +89,7 @@ def render_report(report: dict) -> Group:
         rows_b,
         n - 1,
     )
-    lines = [t, t2]
+    lines: list[Table | Text] = [t, t2]
     g = report.get("unseen_with_global_fallback")
     un = _col(table["unseen"], "precision", None)
     if un is None:

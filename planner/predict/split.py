@@ -94,7 +94,8 @@ def thin_counts(
     """(fit, held-out) counts: each activation held out with probability ``fraction``."""
     f = check_fraction(fraction)
     rng = np.random.default_rng([int(seed), 0x7417])
-    fit, held = [], []
+    fit: list[sparse.csr_array] = []
+    held: list[sparse.csr_array] = []
     for mat in counts.by_layer:
         h = rng.binomial(mat.data, f).astype(np.int64)
         for part, data in ((held, h), (fit, mat.data - h)):

@@ -142,7 +142,9 @@ def load_model(info: CheckpointInfo, device: str, dtype: str, progress: bool = T
     if not progress:
         hf_logging.disable_progress_bar()
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        # Any: transformers wraps PreTrainedModel.to with functools.wraps, which mypy
+        # cannot bind as a method
+        model: Any = AutoModelForCausalLM.from_pretrained(
             info.path, local_files_only=True, dtype=getattr(torch, dtype)
         )
     except (OSError, ValueError, KeyError, TypeError) as e:

@@ -223,7 +223,7 @@ def find_routers(
     layers = getattr(model.base_model, "layers", None)
     if layers is None:
         raise ModelError(f"{where}: {type(model).__name__} has no decoder .layers to hook")
-    routers = []
+    routers: list[nn.Module] = []
     for i, layer in enumerate(layers):
         router = getattr(getattr(layer, "mlp", None), adapter.router_attr, None)
         is_router = type(router).__name__ == adapter.router_class
@@ -235,6 +235,7 @@ def find_routers(
                 f"this transformers version lays out {adapter.model_type} differently"
             )
         if is_router:
+            assert router is not None  # its class name is adapter.router_class
             rows = router.weight.shape[0]
             if rows != num_experts:
                 raise ModelError(

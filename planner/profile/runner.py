@@ -398,8 +398,8 @@ def profile_model(
 
     acc = LoadAccumulator(meta)
     if done:
-        for batch in open_trace(out).iter_batches():
-            acc.add(batch)
+        for done_batch in open_trace(out).iter_batches():
+            acc.add(done_batch)
     t0 = time.perf_counter()
     tokens, parts = 0, 0
     with _progress_bar(progress, len(todo)) as (bar, task):

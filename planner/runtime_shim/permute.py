@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -129,7 +129,8 @@ def find_moe_layers(model: nn.Module) -> tuple[str, list[MoeLayerHandles]]:
     routers = find_routers(model, adapter, moe_layers, num_experts, where)
     handles = []
     for index, router in zip(moe_layers, routers, strict=True):
-        block = model.base_model.layers[index].mlp
+        base_model: Any = model.base_model  # a transformers model; nn.Module types it loosely
+        block = base_model.layers[index].mlp
         experts = getattr(block, EXPERTS_ATTR, None)
         if experts is None:
             raise ModelError(f"{where}: layer {index}'s MoE block has no .{EXPERTS_ATTR}")
@@ -300,7 +301,8 @@ def apply_expert_placement(
         slot_to_expert = perm_t[row]
         permute_expert_axis(router_tensors, slot_to_expert)
         if expert_tensors is None:
-            _reorder_module_list(h.experts, slot_to_expert.tolist())
+            # no expert tensors: the experts are an nn.ModuleList (checked above)
+            _reorder_module_list(cast(nn.ModuleList, h.experts), slot_to_expert.tolist())
         else:
             permute_expert_axis(expert_tensors, slot_to_expert)
     setattr(model, APPLIED_ATTR, perm_t.clone())

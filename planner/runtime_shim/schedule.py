@@ -239,9 +239,9 @@ def _workload_from_trace(
         row_hits = np.bincount((np.arange(t)[:, None, None] * e + dev).ravel(), minlength=t * e)
         row_scores = scorer(batch.token_id)  # [T, E]
         per_request = (inv[:, None] * e + np.arange(e)[None, :]).ravel()  # [T * E]
-        scores = np.bincount(per_request, weights=row_scores.ravel(), minlength=u * e)
-        hits = np.bincount(per_request, weights=row_hits, minlength=u * e)
-        parts.append((arrival, np.bincount(inv, minlength=u), scores, hits))
+        req_scores = np.bincount(per_request, weights=row_scores.ravel(), minlength=u * e)
+        req_hits = np.bincount(per_request, weights=row_hits, minlength=u * e)
+        parts.append((arrival, np.bincount(inv, minlength=u), req_scores, req_hits))
     r = len(index_of)
     tokens, scores, hits = np.zeros(r, np.int64), np.zeros((r, e)), np.zeros((r, e))
     for arrival, n, s, h in parts:  # a request may span batches: add, not assign

@@ -177,6 +177,7 @@ def assign_with_capacity(
     if squeeze:
         dev, conf = dev[None], conf[None]
         if alt is not None:
+            assert alt_conf is not None  # checked above: they go together
             alt, alt_conf = alt[None], alt_conf[None]
     t = dev.shape[1]
     if t > c * e:
@@ -231,6 +232,7 @@ def _assign_rows(
 
     # 1. Overflow tokens to their second choice where it has room.
     if alt is not None:
+        assert alt_conf is not None  # the caller passes both or neither
         alt_flat = alt.reshape(-1)
         cand = torch.nonzero(~keep & (alt_flat >= 0)).flatten()
         if cand.numel():

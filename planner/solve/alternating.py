@@ -61,7 +61,8 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     coact = coactivation(problem)
     t = cluster_tokens(problem, rng, rounds=int(opts["init_rounds"]))
     prices = None
-    best = (-np.inf, None, t)
+    best: tuple[float, np.ndarray | None, np.ndarray] = (-np.inf, None, t)
+    x: np.ndarray | None
     iterations = 0
     for iterations in range(1, int(opts["iterations"]) + 1):  # noqa: B007
         if deadline is not None and time.perf_counter() > deadline:

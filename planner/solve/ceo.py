@@ -495,6 +495,7 @@ def _solve_improved(
             best = (score, x, t)
         if polish_stop.reached(effort):
             break
+    assert best is not None  # both searches give at least one candidate (CE: its mode)
     _, x, t = best
     # A last, fully converged token assignment for the final experts.
     gain = device_gains(problem, x, effort)
@@ -547,7 +548,15 @@ class _Stops:
         return self.units is not None and effort is not None and effort.spent >= self.units
 
 
-def _cross_entropy_experts(problem, opts, rng, num_samples, iterations, stop, effort):
+def _cross_entropy_experts(
+    problem: LayerProblem,
+    opts: dict,
+    rng: np.random.Generator,
+    num_samples: int,
+    iterations: int,
+    stop: _Stops,
+    effort: Effort,
+) -> tuple[list[np.ndarray], tuple[int, int], bool]:
     """CE over expert placements, each scored with its best tokens. -> (candidates, iters).
 
     Candidates are the best distinct placements found (best first), at most ``screen``.
@@ -602,6 +611,7 @@ def _cross_entropy_experts(problem, opts, rng, num_samples, iterations, stop, ef
             best_score, best_x, stale = float(scores[ranked[0]]), samples[ranked[0]].copy(), 0
         elite = samples[ranked[:n_elite]]
         if opts["align_labels"]:
+            assert best_x is not None  # the first (finite) scores always beat -inf
             elite = np.stack([align(s, best_x, e) for s in elite])
         p_ep = alpha * _onehot_mean(elite, e) + (1 - alpha) * p_ep
         done += 1

@@ -193,8 +193,8 @@ class LayerTerms:
         self.e = e
         # layer l's own context rows (placed layers l-n .. l-1 of the run)
         rows = term.context_rows(problem, layer, x_all, run[0])
-        self.rows = None if rows is None else rows.toarray()
-        self.rows_total = 0.0 if rows is None else float(self.rows.sum())
+        self.rows: np.ndarray | None = None if rows is None else rows.toarray()
+        self.rows_total = 0.0 if self.rows is None else float(self.rows.sum())
         # later layers m = l + i whose contexts hold layer l at position i
         self.forward: list[np.ndarray] = []
         last = run[-1]
@@ -247,6 +247,7 @@ class LayerTerms:
         return self.token_score(x, t) + self.context_value(x) + self.forward_value(x)
 
     def _grouped_rows(self, x: np.ndarray) -> np.ndarray:
+        assert self.rows is not None  # only asked for when the layer has context rows
         return self.rows @ np.eye(self.e)[x]  # [C, E]
 
     def _grouped_forward(self, k: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -302,6 +303,8 @@ class LayerTerms:
         return a, b, delta
 
     def _rows_delta(self, x, a, b, p, q) -> np.ndarray:
+        rows = self.rows
+        assert rows is not None  # only called when the layer has context rows
         g = self._grouped_rows(x)  # [C, E]
         current = g.max(axis=1)
         depth = min(3, self.e)
@@ -311,7 +314,7 @@ class LayerTerms:
         step = max(1, _BLOCK // g.shape[0])
         for lo in range(0, a.size, step):
             sl = slice(lo, lo + step)
-            diff = self.rows[:, b[sl]] - self.rows[:, a[sl]]  # [C, P]
+            diff = rows[:, b[sl]] - rows[:, a[sl]]  # [C, P]
             on_p = g[:, p[sl]] + diff
             on_q = g[:, q[sl]] - diff
             new = np.maximum(np.maximum(on_p, on_q), best_outside(top, values, p[sl], q[sl]))

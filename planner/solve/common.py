@@ -439,6 +439,7 @@ def assign_for_problem(
         obj = objective(problem, gain, result.token_to_device)
         if obj > best_obj:
             best, best_obj = result, obj
+    assert best is not None  # the objectives are finite: the first cap always wins over -inf
     return best
 
 
@@ -793,7 +794,8 @@ def _moves(problem, x, t, gain, prices, swaps: bool, deadline: float | None, eff
         return
     candidates = swap_candidates(problem, x, gain, prices, effort)
     # all non-overlapping candidates at once, then the best few alone
-    batch, used = x.copy(), set()
+    batch = x.copy()
+    used: set[int] = set()
     for _, p, q, a, b in candidates:
         if p not in used and q not in used:
             batch[a], batch[b] = q, p
@@ -859,6 +861,18 @@ def finish(
     )
     placement.validate(problem)
     return placement
+
+
+def count_option(method: str, opts: dict[str, Any], key: str, minimum: int = 1) -> int:
+    """``opts[key]`` as an int >= ``minimum``; anything else is an InputError naming it."""
+    from planner.errors import InputError
+
+    value = opts[key]
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+        raise InputError(f"{method}: {key}={value!r} must be an integer >= {minimum}")
+    if int(value) < minimum:
+        raise InputError(f"{method}: {key}={value!r} must be an integer >= {minimum}")
+    return int(value)
 
 
 def check_options(method: str, given: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from planner.solve.common import (
     assign_for_problem,
     canonical_labels,
     check_options,
+    count_option,
     device_gains,
     finish,
     objective,
@@ -51,6 +52,8 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     opts = check_options("kmeans", config.for_method("kmeans"), DEFAULTS)
     if opts["profile"] not in PROFILES:
         raise InputError(f"kmeans: profile={opts['profile']!r} is not one of {', '.join(PROFILES)}")
+    for key in ("n_init", "evaluate", "max_iter"):
+        count_option("kmeans", opts, key)
     features = expert_profiles(problem, str(opts["profile"]))
     rng = np.random.default_rng(config.seed)
     runs: dict[bytes, tuple[float, np.ndarray, int]] = {}
@@ -71,6 +74,7 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
         obj = objective(problem, gain, t)
         if best is None or obj > best[0]:
             best = (obj, labels, t, inertia, iters)
+    assert best is not None, "kmeans: n_init and evaluate must be at least 1"
     _, labels, t, inertia, iters = best
     info = {
         "inertia": float(inertia),

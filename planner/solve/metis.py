@@ -27,9 +27,11 @@ import time
 import numpy as np
 import pymetis
 
+from planner.errors import InputError
 from planner.solve.common import (
     assign_for_problem,
     check_options,
+    count_option,
     device_gains,
     expert_scores,
     finish,
@@ -54,11 +56,14 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     started = time.perf_counter()
     opts = check_options("metis", config.for_method("metis"), DEFAULTS)
     adjacency, eweights, token_w = _bipartite_graph(problem, opts)
+    for key in ("expert_weights", "ufactors"):
+        if not _as_tuple(opts[key]):
+            raise InputError(f"metis: {key} is empty; give at least one value")
     settings = [
         (float(ew), int(uf), cut)
         for ew in _as_tuple(opts["expert_weights"])
         for uf in _as_tuple(opts["ufactors"])
-        for cut in range(int(opts["ncuts"]))
+        for cut in range(count_option("metis", opts, "ncuts"))
     ]
     best = None
     for setting in settings:
@@ -66,10 +71,10 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
         expert_w = max(int(round(expert_weight * token_w.sum() / problem.num_experts)), 0)
         vweights = np.concatenate((np.full(problem.num_experts, expert_w, dtype=np.int64), token_w))
         options = pymetis.Options(seed=int(config.seed) + cut, ufactor=ufactor)
-        _, parts = pymetis.part_graph(
+        _, membership = pymetis.part_graph(
             problem.ep_size, adjacency, vweights=vweights, eweights=eweights, options=options
         )
-        parts = np.asarray(parts, dtype=np.int64)
+        parts = np.asarray(membership, dtype=np.int64)
         expert_part, token_part = parts[: problem.num_experts], parts[problem.num_experts :]
         x = repair_expert_counts(
             expert_part, expert_scores(problem, token_part), problem.experts_per_device
@@ -80,6 +85,7 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
         if best is None or obj > best[0]:
             moved = int((x != expert_part).sum())
             best = (obj, x, t, setting, moved)
+    assert best is not None, "metis: the options give no partition to try"
     _, x, t, setting, moved = best
     info = {
         "partitions": len(settings),

@@ -158,13 +158,16 @@ def vocabulary_table(
     """(token_to_device [V], token_confidence [V]) of one layer, unseen tokens filled."""
     aff = predictor.affinity
     v = predictor.meta.vocab_size
+    assert problem.token_ids is not None  # layer_problems() always sets them
     table, conf = token_table(
         problem.token_ids, placement.token_to_device, placement.token_confidence,
         placement.expert_to_device, v, problem.ep_size, expert_load=problem.expert_load,
     )  # fmt: skip
     if predictor.token_shrinkage is not None and problem.layer is not None:
         load = problem.expert_load
-        share = np.bincount(placement.expert_to_device, weights=load, minlength=problem.ep_size)
+        share: np.ndarray = np.bincount(
+            placement.expert_to_device, weights=load, minlength=problem.ep_size
+        )
         share = share / max(float(load.sum()), 1e-300)  # each device's share of the layer
         seen = aff.seen_
         conf[seen] = shrink_confidence(

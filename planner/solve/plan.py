@@ -318,7 +318,7 @@ class Plan:
             "reports": self.reports,
             "created_by": _created_by(),
         }
-        arrays = {
+        arrays: dict[str, Any] = {
             "expert_to_device": self.expert_to_device,
             "token_to_device": self.token_to_device,
             "token_confidence": self.token_confidence,

@@ -110,8 +110,8 @@ class LayerProblem:
                 )
         try:
             w = sparse.csr_matrix(w, dtype=np.float64)
-        except (TypeError, ValueError) as e:
-            raise InputError(f"affinity{where} is not a numeric matrix: {e}") from e
+        except (TypeError, ValueError) as exc:
+            raise InputError(f"affinity{where} is not a numeric matrix: {exc}") from exc
         w.sum_duplicates()
         w.eliminate_zeros()
         w.sort_indices()

@@ -295,7 +295,8 @@ def _record_digest(rec: dict) -> bytes:
 def _read_dumps(files: list[Path]) -> tuple[list[dict], np.ndarray]:
     """Every record of ``files`` and their shared physical_to_logical map [L, P]."""
     records: list[dict] = []
-    p2l, p2l_file = None, None
+    p2l: np.ndarray | None = None
+    p2l_file: Path | None = None
     for f in files:
         recs, m = load_dump(f)
         if p2l is None:
@@ -306,6 +307,7 @@ def _read_dumps(files: list[Path]) -> tuple[list[dict], np.ndarray]:
                 "ingest dumps recorded under one expert placement together"
             )
         records.extend(recs)
+    assert p2l is not None  # dump_files never returns an empty list
     return records, p2l
 
 
@@ -413,7 +415,7 @@ def convert_sglang(
         )
     token_id = np.concatenate(rows_token)
     vocab_inferred = vocab_size is None
-    if vocab_inferred:
+    if vocab_size is None:
         vocab_size = max(int(token_id.max()) + 1, 1)
     unknown = (token_id < 0) | (token_id >= vocab_size)
     token_id = np.where(unknown, -1, token_id)

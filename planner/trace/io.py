@@ -7,6 +7,7 @@ Writes are atomic: a part appears under its final name only once it is complete.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -100,8 +101,8 @@ class TraceBatch:
             {k: np.concatenate([b.extras[k] for b in batches]) for k in keys},
         )
 
-    def select(self, mask_or_index: np.ndarray) -> TraceBatch:
-        """Rows picked by a boolean mask or an index array."""
+    def select(self, mask_or_index: np.ndarray | slice) -> TraceBatch:
+        """Rows picked by a boolean mask, an index array or a slice."""
         m = mask_or_index
         return TraceBatch(
             self.request_id[m],
@@ -229,7 +230,7 @@ class Trace:
         num_rows: token occurrences over all parts.
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         self.parts = trace_parts(self.path)
         metas = [_read_part_meta(p) for p in self.parts]
@@ -295,7 +296,7 @@ class Trace:
         return np.unique(np.concatenate(seen)) if seen else np.zeros(0, np.int64)
 
 
-def open_trace(path: str | Path) -> Trace:
+def open_trace(path: str | os.PathLike[str]) -> Trace:
     """Open the v1 trace at ``path``; raise a one-line error if it is not one."""
     return Trace(path)
 

@@ -484,11 +484,12 @@ class SynthGenerator:
 
         preferred = self.preferred_table
         experts = np.empty((t, big_l, k), np.int16)
-        top1 = None
+        top1: np.ndarray | None = None
         for layer in range(big_l):
             target = preferred[layer][token_id].astype(np.int32)
             follow = rng.random(t) < c.layer_correlation
             if layer > 0 and c.layer_correlation > 0:
+                assert top1 is not None  # set by the previous layer
                 target[follow] = self._successors[layer][top1[follow]]
             free = rng.random((t, k)) >= c.affinity
             cdf = self._layer_cdf[layer]

@@ -189,6 +189,23 @@ def test_ceo_budget_must_be_a_number(bad: dict, small_problem: LayerProblem) -> 
         solve_layer(small_problem, "ceo", SolverConfig(options={"ceo": bad}))
 
 
+@pytest.mark.parametrize(
+    ("method", "bad", "message"),
+    [
+        ("metis", {"ncuts": 0}, "ncuts=0 must be an integer >= 1"),
+        ("metis", {"ufactors": []}, "ufactors is empty"),
+        ("kmeans", {"n_init": 0}, "n_init=0 must be an integer >= 1"),
+        ("kmeans", {"evaluate": "x"}, "evaluate='x' must be an integer"),
+        ("kmeans", {"max_iter": 2.5}, "max_iter=2.5 must be an integer"),
+    ],
+)
+def test_baseline_counts_must_be_positive_integers(
+    method: str, bad: dict, message: str, small_problem: LayerProblem
+) -> None:
+    with pytest.raises(InputError, match=f"{method}: {message}"):
+        solve_layer(small_problem, method, SolverConfig(options={method: bad}))
+
+
 def test_ilp_writes_the_program_and_cbc_agrees(tmp_path) -> None:
     problem = _tiny(0, 2)
     lp = tmp_path / "layer.lp"
