@@ -147,6 +147,16 @@ DEFAULTS: dict[str, object] = {
     "time_budget": None,  # soft seconds per layer besides (None: none); the time limit is hard
     "search_share": 0.6,  # share of the budget for the search, the rest for the final polish
 }
+# kinds of the options whose default does not say it (planner.solve.common.check_options)
+KINDS = {
+    "samples": "count?",
+    "iterations": "count?",
+    "token_block": "count+",
+    "warm_start": "number?",
+    "score_tokens": "count?",
+    "effort": "number?",
+    "time_budget": "number?",
+}
 
 
 def model_layer_effort(num_layers: int) -> float:
@@ -162,19 +172,13 @@ def model_layer_effort(num_layers: int) -> float:
 
 def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     started = time.perf_counter()
-    opts = check_options("ceo", config.for_method("ceo"), DEFAULTS)
+    opts = check_options("ceo", config.for_method("ceo"), DEFAULTS, KINDS)
     if opts["variant"] not in VARIANTS:
         raise InputError(f"ceo: variant={opts['variant']!r} is not one of {', '.join(VARIANTS)}")
     if not (0.0 < float(opts["elite"]) <= 1.0):
         raise InputError(f"ceo: elite={opts['elite']!r} must lie in (0, 1]")
     if not (0.0 < float(opts["smoothing"]) <= 1.0):
         raise InputError(f"ceo: smoothing={opts['smoothing']!r} must lie in (0, 1]")
-    for key in ("effort", "time_budget"):
-        value = opts[key]
-        if value is not None and not (
-            isinstance(value, int | float) and math.isfinite(value) and value >= 0
-        ):
-            raise InputError(f"ceo: {key}={value!r} must be a number >= 0 or null (no budget)")
     deadline = None if config.time_limit is None else started + config.time_limit
     if opts["variant"] == "paper":
         x, t, info = _solve_paper(problem, opts, config.seed, deadline)

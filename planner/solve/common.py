@@ -29,6 +29,7 @@ their work to it, so that a search can stop after a fixed amount of work instead
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -863,20 +864,54 @@ def finish(
     return placement
 
 
-def count_option(method: str, opts: dict[str, Any], key: str, minimum: int = 1) -> int:
-    """``opts[key]`` as an int >= ``minimum``; anything else is an InputError naming it."""
-    from planner.errors import InputError
-
-    value = opts[key]
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
-        raise InputError(f"{method}: {key}={value!r} must be an integer >= {minimum}")
-    if int(value) < minimum:
-        raise InputError(f"{method}: {key}={value!r} must be an integer >= {minimum}")
-    return int(value)
+# Option kinds (check_options): "flag" bool; "text" str; "count" int >= 0; "count+" int >= 1;
+# "number" finite real >= 0; "numbers" one such number or a non-empty list of them. A
+# trailing "?" also allows null. Options not named in ``kinds`` take their default's kind.
+_KIND_OF_DEFAULT = {bool: "flag", str: "text", int: "count", float: "number", tuple: "numbers"}
 
 
-def check_options(method: str, given: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
-    """Merge a solver's option dict with its defaults; unknown keys are an InputError."""
+def _is_number(value: Any) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    )
+
+
+def _option_problem(value: Any, kind: str) -> str | None:
+    """What is wrong with ``value`` for an option of ``kind`` (None: nothing)."""
+    nullable, kind = kind.endswith("?"), kind.rstrip("?")
+    if value is None:
+        return None if nullable else "must not be null"
+    if kind == "flag":
+        ok, want = isinstance(value, bool), "true or false"
+    elif kind == "text":
+        ok, want = isinstance(value, str), "a string"
+    elif kind in ("count", "count+"):
+        least = 1 if kind == "count+" else 0
+        ok = _is_number(value) and value == int(value) and value >= least
+        want = f"an integer >= {least}"
+    elif kind == "number":
+        ok, want = _is_number(value), "a number >= 0"
+    else:  # numbers
+        items = value if isinstance(value, list | tuple) else [value]
+        ok = bool(items) and all(_is_number(v) for v in items)
+        want = "a number >= 0 or a non-empty list of them"
+    return None if ok else f"must be {want}" + (" or null" if nullable else "")
+
+
+def check_options(
+    method: str,
+    given: dict[str, Any],
+    defaults: dict[str, Any],
+    kinds: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Merge a solver's option dict with its defaults, each value checked for its kind.
+
+    Unknown keys and values of the wrong kind (see ``_KIND_OF_DEFAULT``) are an InputError
+    that names the option, so a bad ``--options`` is one line, not a traceback.
+    """
     from planner.errors import InputError
 
     unknown = sorted(set(given) - set(defaults))
@@ -884,4 +919,10 @@ def check_options(method: str, given: dict[str, Any], defaults: dict[str, Any]) 
         raise InputError(
             f"{method}: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(defaults))}"
         )
+    kinds = kinds or {}
+    for key, value in given.items():
+        kind = kinds.get(key) or _KIND_OF_DEFAULT.get(type(defaults[key]))
+        problem = None if kind is None else _option_problem(value, kind)
+        if problem:
+            raise InputError(f"{method}: {key}={value!r} {problem}")
     return {**defaults, **given}

@@ -59,12 +59,13 @@ DEFAULTS: dict[str, object] = {
     "lp_path": None,  # write the program in LP format here
     "msg": False,  # solver log on stdout
 }
+KINDS = {"max_variables": "count+", "lp_path": "text?"}  # see common.check_options
 DEFAULT_TIME_LIMIT = 60.0
 
 
 def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     started = time.perf_counter()
-    opts = check_options("ilp", config.for_method("ilp"), DEFAULTS)
+    opts = check_options("ilp", config.for_method("ilp"), DEFAULTS, KINDS)
     time_limit = float(config.time_limit or DEFAULT_TIME_LIMIT)
     keep = _tokens_in_budget(problem, int(opts["max_variables"]))
     sub = problem if keep.size == problem.num_tokens else problem.select_tokens(keep)

@@ -31,7 +31,6 @@ from planner.solve.common import (
     assign_for_problem,
     canonical_labels,
     check_options,
-    count_option,
     device_gains,
     finish,
     objective,
@@ -44,16 +43,15 @@ DEFAULTS: dict[str, object] = {
     "max_iter": 50,  # assignment/update rounds per restart
     "profile": "coactivation",  # "coactivation" (frequency-weighted routing shares) or "raw"
 }
+KINDS = {"n_init": "count+", "evaluate": "count+", "max_iter": "count+"}  # common.check_options
 PROFILES = ("coactivation", "raw")
 
 
 def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     started = time.perf_counter()
-    opts = check_options("kmeans", config.for_method("kmeans"), DEFAULTS)
+    opts = check_options("kmeans", config.for_method("kmeans"), DEFAULTS, KINDS)
     if opts["profile"] not in PROFILES:
         raise InputError(f"kmeans: profile={opts['profile']!r} is not one of {', '.join(PROFILES)}")
-    for key in ("n_init", "evaluate", "max_iter"):
-        count_option("kmeans", opts, key)
     features = expert_profiles(problem, str(opts["profile"]))
     rng = np.random.default_rng(config.seed)
     runs: dict[bytes, tuple[float, np.ndarray, int]] = {}

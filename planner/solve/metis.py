@@ -31,7 +31,6 @@ from planner.errors import InputError
 from planner.solve.common import (
     assign_for_problem,
     check_options,
-    count_option,
     device_gains,
     expert_scores,
     finish,
@@ -48,22 +47,22 @@ DEFAULTS: dict[str, object] = {
     "ncuts": 1,  # METIS seeds per setting (seed, seed+1, ...)
     "edge_scale": None,  # multiply W by this before rounding (None: median nonzero -> 100)
 }
+KINDS = {"ncuts": "count+", "edge_scale": "number?"}  # see common.check_options
 # METIS sums integer weights in 32 bits; keep totals well inside.
 _MAX_TOTAL_WEIGHT = 2**30
 
 
 def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     started = time.perf_counter()
-    opts = check_options("metis", config.for_method("metis"), DEFAULTS)
+    opts = check_options("metis", config.for_method("metis"), DEFAULTS, KINDS)
+    if min(_as_tuple(opts["ufactors"])) < 1:  # METIS refuses a zero tolerance
+        raise InputError(f"metis: ufactors={opts['ufactors']!r} must each be >= 1")
     adjacency, eweights, token_w = _bipartite_graph(problem, opts)
-    for key in ("expert_weights", "ufactors"):
-        if not _as_tuple(opts[key]):
-            raise InputError(f"metis: {key} is empty; give at least one value")
     settings = [
         (float(ew), int(uf), cut)
         for ew in _as_tuple(opts["expert_weights"])
         for uf in _as_tuple(opts["ufactors"])
-        for cut in range(count_option("metis", opts, "ncuts"))
+        for cut in range(int(opts["ncuts"]))
     ]
     best = None
     for setting in settings:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 
@@ -193,17 +195,34 @@ def test_ceo_budget_must_be_a_number(bad: dict, small_problem: LayerProblem) -> 
     ("method", "bad", "message"),
     [
         ("metis", {"ncuts": 0}, "ncuts=0 must be an integer >= 1"),
-        ("metis", {"ufactors": []}, "ufactors is empty"),
+        ("metis", {"ufactors": []}, "ufactors=\\[\\] must be a number >= 0 or a non-empty list"),
+        ("metis", {"ufactors": [0, 30]}, "ufactors=\\[0, 30\\] must each be >= 1"),
         ("kmeans", {"n_init": 0}, "n_init=0 must be an integer >= 1"),
-        ("kmeans", {"evaluate": "x"}, "evaluate='x' must be an integer"),
         ("kmeans", {"max_iter": 2.5}, "max_iter=2.5 must be an integer"),
+        ("ceo", {"samples": -1}, "samples=-1 must be an integer >= 0 or null"),
+        ("ceo", {"local_search": "yes"}, "local_search='yes' must be true or false"),
+        ("ilp", {"lp_path": 3}, "lp_path=3 must be a string or null"),
+        ("alternating", {"w_token": None}, "w_token=None must not be null"),
     ],
 )
-def test_baseline_counts_must_be_positive_integers(
+def test_option_values_are_checked(
     method: str, bad: dict, message: str, small_problem: LayerProblem
 ) -> None:
     with pytest.raises(InputError, match=f"{method}: {message}"):
         solve_layer(small_problem, method, SolverConfig(options={method: bad}))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_option_of_the_wrong_kind_is_one_input_error(
+    method: str, small_problem: LayerProblem
+) -> None:
+    module = importlib.import_module(f"planner.solve.{method}")
+    kinds = getattr(module, "KINDS", {})
+    for key, default in module.DEFAULTS.items():
+        text = isinstance(default, str) or kinds.get(key, "").startswith("text")
+        bad = 7 if text else "x"
+        with pytest.raises(InputError, match=f"{method}: {key}="):
+            solve_layer(small_problem, method, SolverConfig(options={method: {key: bad}}))
 
 
 def test_ilp_writes_the_program_and_cbc_agrees(tmp_path) -> None:
