@@ -29,6 +29,12 @@ def _options(text: str | None) -> dict:
         ) from None
     if not isinstance(opts, dict):
         raise InputError("--options must be a JSON object of per-method options")
+    unknown = sorted(set(opts) - set(SOLVERS))
+    if unknown:
+        raise InputError(
+            f"--options names no solver {', '.join(map(repr, unknown))}; "
+            f"its keys are methods: {', '.join(SOLVERS)}"
+        )
     return opts
 
 

@@ -156,6 +156,15 @@ def test_cli_chain(pipeline, tmp_path, capsys):
     assert "fitting trace" in capsys.readouterr().err
     assert main(["solve", str(pred), "--ep", "3", "--out", str(tmp_path / "bad")]) == 2
     assert "must divide" in capsys.readouterr().err
+    for options, message in (
+        ('{"cheo": {}}', "--options names no solver 'cheo'"),
+        ('{"ceo": {"samples": "x"}}', "ceo: samples='x' must be an integer >= 0 or null"),
+        ("[1]", "--options must be a JSON object"),
+    ):
+        args = ["solve", str(pred), "--ep", "2", "--out", str(tmp_path / "bad"), "--options"]
+        assert main([*args, options]) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
 
 
 def test_token_confidence_is_calibrated_by_the_predictor_shrinkage(pipeline):
