@@ -118,6 +118,10 @@ def fit_predictor(path: str | Path, config: FitConfig = FitConfig()) -> FitResul
         raise InputError(f"batch_rows={config.batch_rows!r} must be a positive integer")
     if not isinstance(config.batch_tokens, int) or config.batch_tokens < 1:
         raise InputError(f"batch_tokens={config.batch_tokens!r} must be a positive integer")
+    if not isinstance(config.ep_size, int) or config.ep_size < 1:
+        raise InputError(f"ep_size={config.ep_size!r} must be a positive integer")
+    if config.ngram_order not in (1, 2, 3):
+        raise InputError(f"ngram_order={config.ngram_order!r} must be 1, 2 or 3")
     if is_counts_table(path):
         return _fit_counts(path, config)
     if config.eval_domains or config.counts != CountsSelection():

@@ -67,6 +67,8 @@ def test_embeddings_next_to_the_trace_are_used(tmp_path, capsys):
         (["--holdout", "0"], "strictly between 0 and 1"),
         (["--embeddings", "EMB"], "disagrees with the vocabulary"),
         (["--domain", "arxiv"], "apply to counts tables only"),
+        (["--holdout", "0.5", "--ep-size", "0"], "ep_size=0 must be a positive integer"),
+        (["--ngram-order", "9"], "ngram_order=9 must be 1, 2 or 3"),
     ],
 )
 def test_one_line_errors(exact_trace, tmp_path, capsys, args, message):
