@@ -152,14 +152,9 @@ def evaluate(
     as_json: bool = typer.Option(False, "--json", help="Print the metrics as JSON."),
 ) -> None:
     """LAR (token, n-gram, online, balanced, vanilla), imbalance, remote traffic and the oracle bound."""
-    if batch_tokens <= 0 or slack < 1 or hidden_size < 0 or dtype_bytes <= 0:
-        raise InputError(
-            "--batch-tokens must be > 0, --slack >= 1, --hidden-size >= 0, --dtype-bytes > 0"
-        )
+    config = EvalConfig(batch_tokens, slack, hidden_size, dtype_bytes)  # checks the values
     bundle = load_tables(plan)
-    report = evaluate_bundle(
-        bundle, open_trace(heldout), EvalConfig(batch_tokens, slack, hidden_size, dtype_bytes)
-    )
+    report = evaluate_bundle(bundle, open_trace(heldout), config)
     if as_json:
         console.print_json(json.dumps(report))
         return

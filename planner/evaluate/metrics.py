@@ -17,13 +17,14 @@ experts, exactly as the runtime would see them:
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any, cast
 
 import numpy as np
 import scipy.sparse as sp
 
-from planner.errors import MismatchError
+from planner.errors import InputError, MismatchError
 from planner.export.bundle import Bundle
 from planner.runtime_shim.tables import (
     assign_with_capacity,
@@ -53,6 +54,28 @@ class EvalConfig:
     hidden_size: int = 0
     dtype_bytes: int = 2
     per_request: bool = False
+
+    def __post_init__(self) -> None:
+        def whole(value, least: int) -> bool:
+            return (
+                isinstance(value, int | np.integer)
+                and not isinstance(value, bool)
+                and bool(value >= least)
+            )
+
+        problems = []
+        if not whole(self.batch_tokens, 1):
+            problems.append(f"batch_tokens={self.batch_tokens!r} must be an integer >= 1")
+        if not (
+            isinstance(self.slack, int | float) and math.isfinite(self.slack) and self.slack >= 1
+        ):
+            problems.append(f"slack={self.slack!r} must be a number >= 1")
+        if not whole(self.hidden_size, 0):
+            problems.append(f"hidden_size={self.hidden_size!r} must be an integer >= 0")
+        if not whole(self.dtype_bytes, 1):
+            problems.append(f"dtype_bytes={self.dtype_bytes!r} must be an integer >= 1")
+        if problems:
+            raise InputError("; ".join(problems))
 
 
 class _Acc:

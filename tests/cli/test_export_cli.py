@@ -87,7 +87,9 @@ def test_evaluate_prints_metrics(plan_and_trace, capsys):
     [
         (["export", "PLAN", "--out", "X", "--format", "onnx"], "unknown --format"),
         (["export", "PLAN"], "--out is required"),
-        (["evaluate", "PLAN", "TRACE", "--slack", "0.5"], "--slack"),
+        (["evaluate", "PLAN", "TRACE", "--slack", "0.5"], "slack=0.5 must be a number >= 1"),
+        (["evaluate", "PLAN", "TRACE", "--slack", "nan"], "slack=nan must be a number >= 1"),
+        (["evaluate", "PLAN", "TRACE", "--batch-tokens", "0"], "batch_tokens=0 must be an integer"),
     ],
 )
 def test_user_errors(plan_and_trace, tmp_path, capsys, args, message):
