@@ -20,6 +20,24 @@ trace_app = typer.Typer(
 )
 app.add_typer(trace_app, name="trace")
 
+
+@app.callback()
+def _root(
+    ctx: typer.Context,
+    config: str = typer.Option(
+        None,
+        "--config",
+        help="TOML file with one table per command ([solve], [trace.split], ...) whose keys "
+        "set that command's options; the command line wins over the file.",
+    ),
+) -> None:
+    """Plan expert placement and token routing for expert-parallel MoE serving."""
+    if config:
+        from planner.cli.config import load_config
+
+        ctx.default_map = load_config(config, ctx.command)
+
+
 # Summaries go to stdout; progress bars and warnings to stderr.
 # Piped output (CI logs, `| tee`) gets a wide fixed width instead of rich's 80 columns, so
 # tables are not truncated.

@@ -1,0 +1,105 @@
+"""``moeplan --config FILE.toml``: any command's options from a TOML file.
+
+One table per command, named as on the command line; keys are the options' long names
+without the dashes (``ngram-routed`` for ``--ngram-routed``, ``json`` for ``--json``) or
+the arguments' names (``predictor``)::
+
+    [fit]
+    holdout = 0.5
+    ngram-routed = true
+
+    [solve]
+    method = "ceo"
+    ep = 8
+    jobs = 2
+    options = { ceo = { effort = 7.5e6 } }   # the JSON of --options, as a TOML table
+
+    [trace.split]
+    holdout = 0.2
+
+The values become the commands' defaults (click's ``default_map``), so an option given on
+the command line wins over the file, and a required option (``--ep``) may come from the
+file alone. Values go through the same parsing and checks as typed ones. An unknown table
+or key is an error that lists the valid ones; a table value for an option that takes JSON
+(``--options``) is passed as JSON, a list for a comma-separated option (``--methods``) is
+joined with commas. A nightly job can then keep its whole pipeline in one reviewed file.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from planner.errors import InputError
+
+
+def _names(command: Any) -> dict[str, str]:
+    """{name a table may use: parameter name}: each option's long flag without its dashes
+    (``json`` for ``--json``), and each parameter's own name with dashes or underscores."""
+    names = {}
+    for p in command.params:
+        if not p.name or not p.expose_value or p.name == "config":
+            continue
+        names[p.name] = names[p.name.replace("_", "-")] = p.name
+        for flag in getattr(p, "opts", []):
+            if flag.startswith("--"):
+                names[flag[2:]] = p.name
+    return names
+
+
+def _shown(command: Any) -> list[str]:
+    """The names an error lists: long flags without dashes, and the arguments."""
+    shown = set()
+    for p in command.params:
+        if not p.name or not p.expose_value or p.name == "config":
+            continue
+        flags = [f[2:] for f in getattr(p, "opts", []) if f.startswith("--")]
+        shown.update(flags or [p.name.replace("_", "-")])
+    return sorted(shown)
+
+
+def _value(value: Any) -> Any:
+    if isinstance(value, dict):
+        return json.dumps(value)  # --options and the like take JSON
+    if isinstance(value, list) and all(isinstance(v, str | int | float) for v in value):
+        return ",".join(str(v) for v in value)  # --methods ceo,kmeans
+    return value
+
+
+def _defaults(table: dict[str, Any], command: Any, where: str) -> dict[str, Any]:
+    """The ``default_map`` of ``command`` (a click command or group) from its TOML table."""
+    subcommands = getattr(command, "commands", None)
+    if subcommands is not None:  # a group: one table per subcommand
+        out = {}
+        for name, sub in table.items():
+            if name not in subcommands:
+                raise InputError(
+                    f"{where}: [{name}] names no command here; "
+                    f"tables: {', '.join(sorted(subcommands))}"
+                )
+            if not isinstance(sub, dict):
+                raise InputError(f"{where}: {name} must be a table of its options, not {sub!r}")
+            out[name] = _defaults(sub, subcommands[name], f"{where} [{name}]")
+        return out
+    names = _names(command)
+    out = {}
+    for key, value in table.items():
+        if key not in names:
+            known = ", ".join(_shown(command))
+            raise InputError(f"{where}: {key!r} is not an option here; options: {known}")
+        out[names[key]] = _value(value)
+    return out
+
+
+def load_config(path: str, root: Any) -> dict[str, Any]:
+    """``default_map`` for the ``root`` group from the TOML file at ``path``."""
+    file = Path(path)
+    if not file.is_file():
+        raise InputError(f"--config {path}: no such file")
+    try:
+        table = tomllib.loads(file.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"--config {path}: not valid TOML ({e})") from None
+    return _defaults(table, root, f"--config {path}")

@@ -1,0 +1,112 @@
+"""``moeplan --config FILE.toml``: a command's options from a TOML table, the command line
+winning over the file, and one-line errors for tables and keys that name nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from planner.cli.main import main
+from planner.predict.fit import FitConfig, fit_predictor
+from planner.predict.split import split_trace
+from planner.solve.plan import Plan
+from planner.trace import open_trace
+from planner.trace.synth import SynthConfig, synthesize
+
+SYNTH = SynthConfig(
+    num_layers=2, num_experts=8, top_k=2, vocab_size=200, num_tokens=3000, num_requests=30,
+    affinity=0.9, seed=3,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("config")
+    trace = synthesize(SYNTH, d / "trace")
+    fit_predictor(trace, FitConfig()).predictor.save(d / "pred")
+    split_trace(trace, d / "fit", d / "held", 0.5, seed=0)
+    return d
+
+
+def _config(tmp_path, text: str) -> str:
+    path = tmp_path / "moeplan.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_options_come_from_the_file_and_the_command_line_wins(setup, tmp_path, capsys):
+    cfg = _config(
+        tmp_path,
+        """
+[solve]
+method = "kmeans"
+ep = 4
+options = { kmeans = { n_init = 2 } }
+
+[trace.split]
+holdout = 0.25
+""",
+    )
+    pred = str(setup / "pred")
+    assert main(["--config", cfg, "solve", pred, "--out", str(tmp_path / "a")]) == 0
+    plan = Plan.load(tmp_path / "a")
+    assert (plan.method, plan.ep_size) == ("kmeans", 4)
+    assert plan.config["options"] == {"kmeans": {"n_init": 2}}
+    args = ["--config", cfg, "solve", pred, "--out", str(tmp_path / "b"), "--method", "vanilla"]
+    assert main(args) == 0
+    assert (Plan.load(tmp_path / "b").method, Plan.load(tmp_path / "b").ep_size) == ("vanilla", 4)
+    # a nested table sets a subcommand of a group
+    trace = str(setup / "trace")
+    args = ["trace", "split", trace, "--fit-out", str(tmp_path / "f"), "--heldout-out"]
+    assert main(["--config", cfg, *args, str(tmp_path / "h")]) == 0
+    held = len(open_trace(tmp_path / "h").request_ids())
+    assert held == round(0.25 * SYNTH.num_requests)
+
+
+def test_a_list_becomes_a_comma_separated_option(setup, tmp_path, capsys):
+    cfg = _config(tmp_path, '[compare]\nmethods = ["vanilla", "kmeans"]\nep = 2\njson = true\n')
+    capsys.readouterr()
+    assert main(["--config", cfg, "compare", str(setup / "pred"), str(setup / "held")]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["method"] for r in rows] == ["vanilla", "kmeans"]
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[solv]\nep = 4\n", "[solv] names no command here; tables: compare, evaluate"),
+        ("[solve]\nepp = 4\n", "'epp' is not an option here; options: beta, chain-passes, ep,"),
+        ("[trace]\nsplit = 1\n", "split must be a table of its options"),
+        ("[solve\n", "not valid TOML"),
+    ],
+)
+def test_tables_and_keys_that_name_nothing_are_one_line_errors(
+    setup, tmp_path, capsys, text, message
+):
+    cfg = _config(tmp_path, text)
+    capsys.readouterr()
+    args = ["--config", cfg, "solve", str(setup / "pred"), "--out", str(tmp_path / "p")]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moeplan: error: --config") and message in err and "\n" not in err
+    assert not (tmp_path / "p").exists()
+
+
+def test_a_missing_config_file(tmp_path, capsys):
+    assert main(["--config", str(tmp_path / "none.toml"), "trace", "info", "x"]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_the_example_config_names_only_real_options():
+    import typer
+
+    from planner.cli.app import app
+    from planner.cli.config import load_config
+
+    example = Path(__file__).parents[2] / "examples" / "moeplan.toml"
+    defaults = load_config(str(example), typer.main.get_command(app))
+    assert defaults["solve"] == {"method": "ceo", "ep": 4, "jobs": 2}
+    assert defaults["compare"]["methods"] == "ceo,metis,kmeans,alternating,ilp,vanilla"
+    assert defaults["trace"]["split"] == {"holdout": 0.5, "seed": 0}
