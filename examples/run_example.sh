@@ -27,11 +27,11 @@ echo "== 5. compare every solver on the held-out half"
 # The ILP solves exactly on the most frequent tokens that fit its variable budget.
 moeplan compare "$out/predictor" "$out/heldout" --ep "$ep" --jobs 2 \
   --methods ceo,metis,kmeans,alternating,ilp,vanilla --time-limit 10 \
-  --options '{"ilp": {"max_variables": 3000}}'
+  --options '{"ilp": {"max_variables": 3000}}' --plot "$out/compare.png"
 
 echo "== 6. export the CEO plan to all four formats and verify the bundle"
 moeplan export "$out/plan" --out "$out/bundle" --format moeplan,sglang,vllm-ascend,trtllm
 moeplan export --verify "$out/bundle" > /dev/null && echo "bundle verified: $out/bundle"
 
 echo "== 7. evaluate the exported bundle on the held-out half"
-moeplan evaluate "$out/bundle" "$out/heldout" --hidden-size 128
+moeplan evaluate "$out/bundle" "$out/heldout" --hidden-size 128 --plot "$out/evaluate.png"

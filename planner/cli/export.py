@@ -8,9 +8,10 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from planner.cli.app import app, console
+from planner.cli.app import app, console, err_console
 from planner.errors import InputError, SchemaError
 from planner.evaluate import EvalConfig, evaluate_bundle
+from planner.evaluate.plots import check_plot_path, plot_evaluation
 from planner.export import FORMATS, export_plan, load_tables, verify_bundle
 from planner.export.engines import get_format
 from planner.trace import open_trace
@@ -150,11 +151,19 @@ def evaluate(
         2, "--dtype-bytes", help="Bytes per hidden element on the wire."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the metrics as JSON."),
+    plot: str = typer.Option(
+        None, "--plot", help="Also draw the per-layer LAR and imbalance to this .png/.svg/.pdf."
+    ),
 ) -> None:
     """LAR (token, n-gram, online, balanced, vanilla), imbalance, remote traffic and the oracle bound."""
     config = EvalConfig(batch_tokens, slack, hidden_size, dtype_bytes)  # checks the values
+    if plot:
+        check_plot_path(plot)
     bundle = load_tables(plan)
     report = evaluate_bundle(bundle, open_trace(heldout), config)
+    if plot:
+        title = f"{bundle.method}, EP {bundle.ep_size}: balanced LAR {report['overall']['lar_balanced']:.3f}"
+        err_console.print(f"plot: {plot_evaluation(report, plot, title)}")
     if as_json:
         console.print_json(json.dumps(report))
         return

@@ -7,10 +7,11 @@ import json
 import typer
 from rich.table import Table
 
-from planner.cli.app import app, console
+from planner.cli.app import app, console, err_console
 from planner.errors import InputError
 from planner.evaluate import EvalConfig
 from planner.evaluate.compare import compare_methods
+from planner.evaluate.plots import check_plot_path, plot_comparison
 from planner.predict.predictor import load_predictor
 from planner.solve.ngram_term import DEFAULT_WEIGHT
 from planner.solve.pipeline import PlanConfig, make_plan
@@ -146,8 +147,13 @@ def compare(
         "loses only held out by how its plan carries over to new requests.",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
+    plot: str = typer.Option(
+        None, "--plot", help="Also draw each method's LAR against the bound to this .png/.svg/.pdf."
+    ),
 ) -> None:
     """Solve with each method and compare held-out LAR, balance and time, with the oracle bound."""
+    if plot:
+        check_plot_path(plot)
     names = [m.strip() for m in methods.split(",") if m.strip()]
     unknown = [m for m in names if m not in SOLVERS]
     if unknown or not names:
@@ -170,6 +176,9 @@ def compare(
         progress=not as_json,
         fitting=fitting_trace,
     )
+    if plot:
+        title = f"{heldout}, EP {ep}: ratio to the best baseline above each bar"
+        err_console.print(f"plot: {plot_comparison(result, plot, title)}")
     if as_json:
         console.print_json(json.dumps(result))
         return

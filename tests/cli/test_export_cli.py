@@ -90,6 +90,7 @@ def test_evaluate_prints_metrics(plan_and_trace, capsys):
         (["evaluate", "PLAN", "TRACE", "--slack", "0.5"], "slack=0.5 must be a number >= 1"),
         (["evaluate", "PLAN", "TRACE", "--slack", "nan"], "slack=nan must be a number >= 1"),
         (["evaluate", "PLAN", "TRACE", "--batch-tokens", "0"], "batch_tokens=0 must be an integer"),
+        (["evaluate", "PLAN", "TRACE", "--plot", "X"], "the file name must end in .png"),
     ],
 )
 def test_user_errors(plan_and_trace, tmp_path, capsys, args, message):

@@ -1,0 +1,110 @@
+"""Figures of ``moeplan compare --plot`` and ``moeplan evaluate --plot`` (PNG or SVG).
+
+- :func:`plot_comparison`: one bar per method, its balanced LAR held out (the figure plans
+  are judged by), a tick for its LAR before the per-batch cap, and the per-token oracle
+  bound and positional vanilla LAR as lines: how far each plan is from what any placement
+  could give, and from the default deployment.
+- :func:`plot_evaluation`: per MoE layer, the LAR of the token table, the n-gram table, the
+  online choice and after the cap, with vanilla and the oracle bound (top); the token and
+  expert-load imbalance (bottom): which layers lose locality and which are unbalanced.
+
+Both take the JSON reports the commands print with ``--json`` and write the file atomically.
+matplotlib is imported here only, with the non-interactive Agg backend.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from planner._io import atomic_path
+from planner.errors import InputError
+
+FORMATS = (".png", ".svg", ".pdf")
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, dest: str | os.PathLike) -> Path:
+    check_plot_path(dest)
+    path = Path(dest)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format=path.suffix.lower()[1:], dpi=120, bbox_inches="tight")
+    _pyplot().close(fig)
+    return path
+
+
+def check_plot_path(dest: str | os.PathLike) -> None:
+    """Fail before the work, not after it, on a name matplotlib cannot write."""
+    if Path(dest).suffix.lower() not in FORMATS:
+        raise InputError(f"--plot {dest}: the file name must end in {', '.join(FORMATS)}")
+
+
+def plot_comparison(result: dict, dest: str | os.PathLike, title: str = "") -> Path:
+    """Bar chart of ``moeplan compare``'s result (``compare_methods``) -> the file written."""
+    plt = _pyplot()
+    rows = result["rows"]
+    names = [r["method"] for r in rows]
+    fig, ax = plt.subplots(figsize=(1.2 * len(rows) + 3, 4))
+    bars = ax.bar(names, [r["lar_balanced"] for r in rows], color="#4c72b0", label="balanced LAR")
+    ax.scatter(names, [r["lar"] for r in rows], marker="_", s=400, color="black", zorder=3,
+               label="LAR before the cap")  # fmt: skip
+    for bar, r in zip(bars, rows, strict=True):
+        ratio = r.get("ratio_to_best_baseline")
+        if ratio is not None:
+            ax.annotate(f"{ratio:.3f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom", fontsize=8, xytext=(0, 2),
+                        textcoords="offset points")  # fmt: skip
+    ax.axhline(result["oracle_bound"], color="#55a868", ls="--", label="per-token oracle bound")
+    ax.axhline(result["lar_vanilla"], color="#c44e52", ls=":", label="positional vanilla")
+    ax.set_ylabel("local activation rate (held out)")
+    ax.set_ylim(0, 1.3 * max(result["oracle_bound"], *(r["lar"] for r in rows)))  # legend room
+    ax.set_title(title or f"EP {result['ep_size']}: ratio to the best baseline above each bar")
+    ax.legend(fontsize=8, loc="upper right")
+    return _save(fig, dest)
+
+
+def plot_evaluation(report: dict, dest: str | os.PathLike, title: str = "") -> Path:
+    """Per-layer figure of ``moeplan evaluate``'s report (``evaluate_bundle``)."""
+    plt = _pyplot()
+    layers = report["per_layer"]
+    x = [r["model_layer"] for r in layers]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(6, 0.35 * len(x) + 4), 6), sharex=True,
+                                      height_ratios=(2, 1))  # fmt: skip
+    # online first and wide: the token table's line (often the same) stays visible on it
+    series = [("oracle_bound", "oracle bound", "#55a868", "--", 1.5),
+              ("lar", "online", "#4c72b0", "-", 3.0), ("lar_token", "token table", "#8172b2",
+              (0, (4, 2)), 1.5), ("lar_ngram", "n-gram table", "#937860", "-", 1.5),
+              ("lar_balanced", "balanced (cap)", "#dd8452", "-", 1.5),
+              ("lar_vanilla", "vanilla", "#c44e52", ":", 1.5)]  # fmt: skip
+    for key, label, color, ls, lw in series:
+        ys = [r.get(key) for r in layers]
+        if all(v is None for v in ys):
+            continue
+        top.plot(x, [float("nan") if v is None else v for v in ys], marker="o", ms=3,
+                 color=color, ls=ls, lw=lw, label=label)  # fmt: skip
+    top.set_ylabel("local activation rate")
+    top.set_ylim(0, 1)
+    top.legend(fontsize=8, ncol=3, loc="lower right")
+    ov = report["overall"]
+    top.set_title(title or f"balanced LAR {ov['lar_balanced']:.3f} over all layers")
+    width = 0.4
+    bottom.bar([v - width / 2 for v in x], [r["token_imbalance_balanced"] for r in layers],
+               width, label="token imbalance (after the cap)", color="#dd8452")  # fmt: skip
+    bottom.bar([v + width / 2 for v in x], [r["expert_load_imbalance"] for r in layers], width,
+               label="expert-load imbalance", color="#8172b2")  # fmt: skip
+    bottom.axhline(1.0, color="black", lw=0.8)
+    highest = max(max(r["token_imbalance_balanced"], r["expert_load_imbalance"]) for r in layers)
+    bottom.set_ylim(0, 1.45 * highest)  # room for the legend above the bars
+    bottom.set_ylabel("max / mean")
+    bottom.set_xlabel("MoE layer")
+    bottom.legend(fontsize=8, ncol=2, loc="upper left")
+    return _save(fig, dest)

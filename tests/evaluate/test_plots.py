@@ -1,0 +1,40 @@
+"""``--plot``: the figures are written (atomically) from the reports, in each format."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.errors import InputError
+from planner.evaluate import evaluate_bundle
+from planner.evaluate.plots import check_plot_path, plot_comparison, plot_evaluation
+from planner.trace import TraceMeta, open_trace, write_trace
+from tests.conftest import random_batch
+from tests.evaluate.test_metrics import _random_bundle
+
+MAGIC = {".png": b"\x89PNG", ".svg": b"<?xml", ".pdf": b"%PDF"}
+
+
+@pytest.mark.parametrize("suffix", sorted(MAGIC))
+def test_evaluation_figure(tmp_path, suffix):
+    meta = TraceMeta("test/m", num_layers=3, num_experts=8, top_k=2, vocab_size=30)
+    path = write_trace(tmp_path / "t.parquet", meta, random_batch(meta, 200, seed=1))
+    report = evaluate_bundle(_random_bundle(meta, 4, 1, seed=0), open_trace(path))
+    out = plot_evaluation(report, tmp_path / f"sub/eval{suffix}")
+    assert out.read_bytes().startswith(MAGIC[suffix])
+    assert [p.name for p in out.parent.iterdir()] == [out.name]  # no temporary left
+
+
+def test_comparison_figure(tmp_path):
+    rows = [
+        {"method": "ceo", "lar_balanced": 0.45, "lar": 0.51, "ratio_to_best_baseline": 1.02},
+        {"method": "kmeans", "lar_balanced": 0.44, "lar": 0.53, "ratio_to_best_baseline": 1.0},
+        {"method": "vanilla", "lar_balanced": 0.29, "lar": 0.36, "ratio_to_best_baseline": None},
+    ]
+    result = {"rows": rows, "oracle_bound": 0.85, "lar_vanilla": 0.25, "ep_size": 4}
+    out = plot_comparison(result, tmp_path / "cmp.png")
+    assert out.read_bytes().startswith(MAGIC[".png"]) and out.stat().st_size > 10_000
+
+
+def test_a_name_without_a_figure_suffix_is_refused_before_any_work(tmp_path):
+    with pytest.raises(InputError, match=r"--plot .*cmp.txt: the file name must end in .png"):
+        check_plot_path(tmp_path / "cmp.txt")
