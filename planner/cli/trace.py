@@ -6,7 +6,7 @@ import json
 
 import typer
 
-from planner.cli.app import console, trace_app
+from planner.cli.app import console, err_console, trace_app
 from planner.trace.info import trace_summary
 
 
@@ -14,9 +14,20 @@ from planner.trace.info import trace_summary
 def info(
     path: str = typer.Argument(..., help="Trace file or directory of part-*.parquet files."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    plot: str = typer.Option(
+        None, "--plot", help="Also draw every layer's expert load as a heat map (.png/.svg/.pdf)."
+    ),
 ) -> None:
     """Model, layers, experts, top-k, tokens, requests and per-layer load skewness of a trace."""
+    if plot:
+        from planner.evaluate.plots import check_plot_path
+
+        check_plot_path(plot)
     summary = trace_summary(path)
+    if plot:
+        from planner.evaluate.plots import plot_expert_load
+
+        err_console.print(f"plot: {plot_expert_load(summary, plot)}")
     if as_json:
         console.print_json(json.dumps(summary))
         return

@@ -1,4 +1,4 @@
-"""Figures of ``moeplan compare --plot`` and ``moeplan evaluate --plot`` (PNG or SVG).
+"""Figures of ``moeplan compare|evaluate|trace info --plot`` (PNG, SVG or PDF).
 
 - :func:`plot_comparison`: one bar per method, its balanced LAR held out (the figure plans
   are judged by), a tick for its LAR before the per-batch cap, and the per-token oracle
@@ -7,6 +7,8 @@
 - :func:`plot_evaluation`: per MoE layer, the LAR of the token table, the n-gram table, the
   online choice and after the cap, with vanilla and the oracle bound (top); the token and
   expert-load imbalance (bottom): which layers lose locality and which are unbalanced.
+- :func:`plot_expert_load`: a trace's routed load of every expert of every layer over the
+  layer's mean, as a heat map: the hot experts a placement has to spread.
 
 Both take the JSON reports the commands print with ``--json`` and write the file atomically.
 matplotlib is imported here only, with the non-interactive Agg backend.
@@ -107,4 +109,37 @@ def plot_evaluation(report: dict, dest: str | os.PathLike, title: str = "") -> P
     bottom.set_ylabel("max / mean")
     bottom.set_xlabel("MoE layer")
     bottom.legend(fontsize=8, ncol=2, loc="upper left")
+    return _save(fig, dest)
+
+
+def plot_expert_load(summary: dict, dest: str | os.PathLike, title: str = "") -> Path:
+    """Heat map of ``trace_summary``'s ``expert_load`` [L, N] over each layer's mean."""
+    import numpy as np
+    from matplotlib.colors import LogNorm
+    from matplotlib.ticker import NullFormatter
+
+    plt = _pyplot()
+    load = np.asarray(summary["expert_load"], np.float64)
+    mean = load.mean(axis=1, keepdims=True)
+    ratio = np.divide(load, mean, out=np.full(load.shape, np.nan), where=mean > 0)
+    big_l, n = ratio.shape
+    fig, ax = plt.subplots(figsize=(min(16, 3 + 0.12 * n), min(12, 1.5 + 0.3 * big_l)))
+    positive = ratio[np.isfinite(ratio) & (ratio > 0)]
+    low = max(float(positive.min()), 1e-2) if positive.size else 0.1
+    high = max(float(np.nanmax(ratio)) if positive.size else 10.0, 1.0 / low, 1.01)
+    image = ax.imshow(np.where(ratio > 0, ratio, low), aspect="auto", cmap="RdBu_r",
+                      norm=LogNorm(vmin=min(low, 1 / high), vmax=high),
+                      interpolation="nearest")  # fmt: skip
+    bar = fig.colorbar(image, ax=ax, label="expert load / layer mean")
+    lo, hi = image.norm.vmin, image.norm.vmax
+    ticks = [t for t in (0.125, 0.25, 0.5, 1, 2, 4, 8, 16) if lo <= t <= hi]
+    bar.set_ticks(ticks, labels=[f"{t:g}" for t in ticks])
+    bar.ax.yaxis.set_minor_formatter(NullFormatter())
+    layers = summary.get("moe_layer_indices") or list(range(big_l))
+    step = max(1, big_l // 16)
+    ax.set_yticks(range(0, big_l, step), [str(layers[i]) for i in range(0, big_l, step)])
+    ax.set_xlabel("expert")
+    ax.set_ylabel("MoE layer")
+    skew = summary.get("skewness_mean")
+    ax.set_title(title or f"{summary.get('model', '')}: mean skewness (max/mean) {skew}")
     return _save(fig, dest)

@@ -56,6 +56,7 @@ class LoadAccumulator:
             "distinct_tokens": int(self._seen_tokens.sum()),
             "skewness_per_layer": [round(float(s), 4) for s in skew],
             "skewness_mean": round(float(np.nanmean(skew)), 4) if self.tokens else None,
+            "expert_load": self.load.tolist(),  # [L, N] routed activations
         }
 
 

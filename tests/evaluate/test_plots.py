@@ -38,3 +38,16 @@ def test_comparison_figure(tmp_path):
 def test_a_name_without_a_figure_suffix_is_refused_before_any_work(tmp_path):
     with pytest.raises(InputError, match=r"--plot .*cmp.txt: the file name must end in .png"):
         check_plot_path(tmp_path / "cmp.txt")
+
+
+def test_expert_load_figure_from_the_trace_summary(tmp_path):
+    from planner.evaluate.plots import plot_expert_load
+    from planner.trace.info import trace_summary
+
+    meta = TraceMeta("test/m", num_layers=3, num_experts=8, top_k=2, vocab_size=30)
+    batch = random_batch(meta, 200, seed=2)
+    summary = trace_summary(write_trace(tmp_path / "t.parquet", meta, batch))
+    load = summary["expert_load"]
+    assert len(load) == 3 and sum(map(sum, load)) == 200 * 3 * 2
+    out = plot_expert_load(summary, tmp_path / "load.svg")
+    assert out.read_bytes().startswith(MAGIC[".svg"])
