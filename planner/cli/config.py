@@ -35,29 +35,29 @@ from typing import Any
 from planner.errors import InputError
 
 
+def _exposed(command: Any) -> list[Any]:
+    """The command's parameters a table may set (not ``--config`` itself)."""
+    return [p for p in command.params if p.name and p.expose_value and p.name != "config"]
+
+
+def _flags(param: Any) -> list[str]:
+    """The parameter's long flags without their dashes (``json`` for ``--json``)."""
+    return [f[2:] for f in getattr(param, "opts", []) if f.startswith("--")]
+
+
 def _names(command: Any) -> dict[str, str]:
-    """{name a table may use: parameter name}: each option's long flag without its dashes
-    (``json`` for ``--json``), and each parameter's own name with dashes or underscores."""
+    """{name a table may use: parameter name}: each option's long flags without the dashes,
+    and each parameter's own name with dashes or underscores."""
     names = {}
-    for p in command.params:
-        if not p.name or not p.expose_value or p.name == "config":
-            continue
+    for p in _exposed(command):
         names[p.name] = names[p.name.replace("_", "-")] = p.name
-        for flag in getattr(p, "opts", []):
-            if flag.startswith("--"):
-                names[flag[2:]] = p.name
+        names.update(dict.fromkeys(_flags(p), p.name))
     return names
 
 
 def _shown(command: Any) -> list[str]:
     """The names an error lists: long flags without dashes, and the arguments."""
-    shown = set()
-    for p in command.params:
-        if not p.name or not p.expose_value or p.name == "config":
-            continue
-        flags = [f[2:] for f in getattr(p, "opts", []) if f.startswith("--")]
-        shown.update(flags or [p.name.replace("_", "-")])
-    return sorted(shown)
+    return sorted({n for p in _exposed(command) for n in _flags(p) or [p.name.replace("_", "-")]})
 
 
 def _value(value: Any) -> Any:
