@@ -7,6 +7,7 @@ import json
 import typer
 
 from planner.cli.app import console, err_console, trace_app
+from planner.evaluate.plots import check_plot_path, plot_expert_load
 from planner.trace.info import trace_summary
 
 
@@ -20,13 +21,9 @@ def info(
 ) -> None:
     """Model, layers, experts, top-k, tokens, requests and per-layer load skewness of a trace."""
     if plot:
-        from planner.evaluate.plots import check_plot_path
-
         check_plot_path(plot)
     summary = trace_summary(path)
     if plot:
-        from planner.evaluate.plots import plot_expert_load
-
         err_console.print(f"plot: {plot_expert_load(summary, plot)}")
     if as_json:
         console.print_json(json.dumps(summary))
