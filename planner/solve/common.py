@@ -253,19 +253,22 @@ def dual_prices(
     price = np.zeros(e) if prices is None else np.asarray(prices, dtype=np.float64).copy()
     if num_tokens == 0 or not np.isfinite(room).any():
         return np.where(np.isfinite(room), price, 0.0)
-    rows, devices = np.arange(num_tokens), np.arange(e)
+    devices, cols = np.arange(e), np.arange(num_tokens)
     scale = float(np.max(gain / freq[:, None], initial=1.0))
+    # Device-major [E, J]: each sweep reduces over the few devices of many tokens, which
+    # numpy does row against row, faster than token by token along a short last axis (a
+    # 50k x 8 call: 160 ms instead of 240). The arithmetic is elementwise the same, and so
+    # are the prices, bit for bit.
+    gain_t = np.ascontiguousarray(gain.T)
     for _ in range(sweeps):
         charge(effort, "dual_prices", entries=num_tokens * e, steps=num_tokens)
-        adjusted = gain - freq[:, None] * price[None, :]
-        first = adjusted.argmax(axis=1)
-        best = adjusted[rows, first]
-        adjusted[rows, first] = -np.inf
-        second = adjusted.max(axis=1)
-        other = np.where(first[:, None] == devices[None, :], second[:, None], best[:, None])
-        threshold = (gain - other) / freq[:, None]  # token j prefers d while p_d < threshold
-        tj, td = np.nonzero(threshold > 0)
-        tv = threshold[tj, td]
+        adjusted = gain_t - price[:, None] * freq[None, :]
+        first, best, second = _best_two(adjusted)
+        # token j prefers d while p_d < threshold: its gain there over its best elsewhere
+        threshold = (gain_t - best[None, :]) / freq[None, :]
+        threshold[first, cols] = (gain_t[first, cols] - second) / freq
+        td, tj = np.nonzero(threshold > 0)
+        tv = threshold[td, tj]
         order = np.lexsort((-tv, td))
         td, tv, load = td[order], tv[order], freq[tj[order]]
         csum = np.cumsum(load)
@@ -281,6 +284,26 @@ def dual_prices(
         if np.abs(step).max() <= 1e-7 * scale:
             break
     return price
+
+
+def _best_two(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per column of ``values`` [E, J]: (first [J], best [J], second [J]).
+
+    ``first`` is the row of the column's maximum ``best`` (the lowest row on ties, as
+    ``argmax``), ``second`` the largest value in the other rows (-inf when E = 1).
+    ``values`` is left as it was.
+    """
+    e, num = values.shape
+    best = values.max(axis=0)
+    first = np.zeros(num, dtype=np.int64)
+    for d in range(e - 1, -1, -1):
+        first[values[d] == best] = d
+    cols = np.arange(num)
+    kept = values[first, cols]
+    values[first, cols] = -np.inf
+    second = values.max(axis=0)
+    values[first, cols] = kept
+    return first, best, second
 
 
 def _regret_fill(
@@ -759,10 +782,14 @@ def swap_candidates(
             sel = rows[lo : lo + chunk]
             block = dense[np.ix_(sel, cols)] if dense is not None else w[sel][:, cols].toarray()
             diff = block[:, None, m:] - block[:, :m, None]  # W[j, f] - W[j, e]
-            on_p = adjusted[sel, p][:, None, None] + diff
-            on_q = adjusted[sel, q][:, None, None] - diff
-            best = np.maximum(np.maximum(on_p, on_q), outside[lo : lo + chunk, None, None])
-            delta += (best - current[sel][:, None, None]).sum(axis=0)
+            # value on p, on q, or outside, less the current value (in place: temporaries
+            # of [rows, m, m] cost more than the arithmetic)
+            best = adjusted[sel, p][:, None, None] + diff
+            on_q = np.subtract(adjusted[sel, q][:, None, None], diff, out=diff)
+            np.maximum(best, on_q, out=best)
+            np.maximum(best, outside[lo : lo + chunk, None, None], out=best)
+            best -= current[sel][:, None, None]
+            delta += best.sum(axis=0)
         i, j = np.unravel_index(int(delta.argmax()), delta.shape)
         candidates.append((float(delta[i, j]), p, q, mem_p[i], mem_q[j]))
     scale = max(float(np.abs(current).sum()), 1.0) * 1e-12

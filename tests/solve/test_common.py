@@ -113,3 +113,65 @@ def test_balanced_sampling_fills_every_device_exactly() -> None:
     labels = sample_balanced(rng, prob, 20, np.ones(12), 3.0)
     for row in labels:
         assert np.bincount(row, minlength=4).tolist() == [3, 3, 3, 3]
+
+
+def _token_major_prices(gain, freq, room, prices, sweeps, damping=0.5):
+    """dual_prices as first written, token by token ([J, E]): the reference it must equal."""
+    num_tokens, e = gain.shape
+    price = np.asarray(prices, np.float64).copy()
+    rows, devices = np.arange(num_tokens), np.arange(e)
+    scale = float(np.max(gain / freq[:, None], initial=1.0))
+    for _ in range(sweeps):
+        adjusted = gain - freq[:, None] * price[None, :]
+        first = adjusted.argmax(axis=1)
+        best = adjusted[rows, first]
+        adjusted[rows, first] = -np.inf
+        second = adjusted.max(axis=1)
+        other = np.where(first[:, None] == devices[None, :], second[:, None], best[:, None])
+        threshold = (gain - other) / freq[:, None]
+        tj, td = np.nonzero(threshold > 0)
+        tv = threshold[tj, td]
+        order = np.lexsort((-tv, td))
+        td, tv, load = td[order], tv[order], freq[tj[order]]
+        csum = np.cumsum(load)
+        before = np.concatenate(([0.0], csum))[np.searchsorted(td, devices)]
+        over = np.flatnonzero(csum - before[td] > room[td])
+        new = np.zeros(e)
+        if over.size:
+            dev, first_over = np.unique(td[over], return_index=True)
+            new[dev] = tv[over[first_over]]
+        step = np.where(np.isfinite(room), new, 0.0) - price
+        price = price + damping * step
+        if np.abs(step).max() <= 1e-7 * scale:
+            break
+    return price
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("e", [2, 3, 8, 32])
+def test_dual_prices_equal_the_token_major_reference_bit_for_bit(e: int, ties: bool) -> None:
+    # plans must not change with how the sweeps are laid out in memory
+    rng = np.random.default_rng(e)
+    for _ in range(5):
+        j = int(rng.integers(1, 800))
+        if ties:  # small integer gains: many rows with tied best devices
+            gain = rng.integers(0, 3, size=(j, e)).astype(np.float64)
+        else:
+            gain = rng.random((j, e)) * rng.integers(1, 50, size=(j, 1))
+        freq = rng.integers(1, 20, size=j).astype(np.float64)
+        room = np.full(e, freq.sum() / e * rng.choice([0.6, 1.1]))
+        prices = rng.random(e) * rng.choice([0.0, 1.0])
+        got = common.dual_prices(gain, freq, room, prices=prices, sweeps=12)
+        want = _token_major_prices(gain, freq, room, prices, sweeps=12)
+        assert np.array_equal(got, want)
+
+
+def test_best_two_is_argmax_max_and_runner_up() -> None:
+    rng = np.random.default_rng(3)
+    values = rng.integers(0, 4, size=(6, 500)).astype(np.float64)  # ties in most columns
+    before = values.copy()
+    first, best, second = common._best_two(values)
+    assert np.array_equal(values, before)  # left as it was
+    np.testing.assert_array_equal(first, values.argmax(axis=0))
+    np.testing.assert_array_equal(best, values.max(axis=0))
+    np.testing.assert_array_equal(second, np.sort(values, axis=0)[-2])
