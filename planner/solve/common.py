@@ -328,11 +328,7 @@ def _regret_fill(
         # ties go to the device with more room (not the lowest index: labels are arbitrary)
         tie_break = _TIE_EPS * max(float(np.abs(gain[pending]).max(initial=0.0)), 1e-300)
         g = np.where(fits, gain[pending] + tie_break * _room_rank(room)[None, :], -np.inf)
-        rows = np.arange(pending.size)
-        best = g.argmax(axis=1)
-        best_value = g[rows, best]
-        g[rows, best] = -np.inf
-        second = g.max(axis=1)
+        best, best_value, second = _best_two(np.ascontiguousarray(g.T))
         regret = np.where(np.isfinite(second), best_value - second, np.inf)
         order = np.lexsort((-(regret / f), best))
         dev, load = best[order], f[order]
