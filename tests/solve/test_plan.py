@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
 
 from planner.errors import InputError, MismatchError, SchemaError
 from planner.solve.ceo import DEFAULT_EFFORT, MAX_LAYER_EFFORT, model_layer_effort
-from planner.solve.plan import Plan, layer_seed, solve_model
+from planner.solve.plan import Plan, _worker_pool, layer_seed, solve_model
 from planner.solve.problem import SolverConfig
 from tests.solve.instances import random_problem
 
@@ -34,6 +35,19 @@ def test_parallel_solve_matches_serial() -> None:
         np.testing.assert_array_equal(a.token_to_device, b.token_to_device)
         assert a.seed == b.seed
     assert len({p.seed for p in serial}) == 3
+
+
+def test_workers_get_their_share_of_blas_threads(monkeypatch) -> None:
+    # idle OpenBLAS threads spin: workers sharing the cores must not each start one per core
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice is kept
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    with _worker_pool(2) as pool:
+        seen = pool.submit(os.getenv, "OPENBLAS_NUM_THREADS").result()
+        user = pool.submit(os.getenv, "OMP_NUM_THREADS").result()
+    assert (seen, user) == ("1", "3")
+    assert "OPENBLAS_NUM_THREADS" not in os.environ  # only the workers saw it
+    assert os.environ["OMP_NUM_THREADS"] == "3"
 
 
 def test_model_budget_is_shared_over_layers() -> None:
