@@ -43,3 +43,10 @@ def _root(
 # tables are not truncated.
 console = Console() if Console().is_terminal else Console(width=160)
 err_console = Console(stderr=True)
+
+
+def typed(ctx: typer.Context, name: str) -> bool:
+    """Whether option ``name`` was given on the command line (not by a --config file's table
+    or its default). Compared by name: typer may carry its own copy of click's
+    ParameterSource."""
+    return getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"

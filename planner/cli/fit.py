@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from planner.cli.app import app, console
+from planner.cli.app import app, console, typed
 from planner.errors import InputError
 
 
@@ -17,6 +17,7 @@ def _csv(value: str | None) -> tuple[str, ...]:
 
 @app.command("fit")
 def fit(
+    ctx: typer.Context,
     trace: str = typer.Argument(
         ..., help="v1 trace (file or directory of part-*.parquet) or a token-expert counts table."
     ),
@@ -82,6 +83,8 @@ def fit(
     if not Path(trace).exists():
         raise InputError(f"{trace}: no such trace or counts file")
     check_destination(out)
+    if eval_domain and not typed(ctx, "holdout"):
+        holdout = None  # a --config file's holdout (thinning) stands down for --eval-domain
     config = FitConfig(
         holdout=holdout,
         seed=seed,

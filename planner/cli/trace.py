@@ -6,7 +6,7 @@ import json
 
 import typer
 
-from planner.cli.app import console, err_console, trace_app
+from planner.cli.app import console, err_console, trace_app, typed
 from planner.evaluate.plots import check_plot_path, plot_expert_load
 from planner.trace.info import trace_summary
 
@@ -151,6 +151,7 @@ def ingest_sglang(
 
 @trace_app.command("split")
 def split(
+    ctx: typer.Context,
     path: str = typer.Argument(..., help="Trace to split."),
     fit_out: str = typer.Option(..., "--fit-out", help="Trace directory for the fitting side."),
     heldout_out: str = typer.Option(
@@ -172,8 +173,14 @@ def split(
     from planner.predict.split import split_trace, split_trace_by_domain
 
     if heldout_domain is not None:
-        if holdout is not None:
-            raise InputError("choose either --holdout (random requests) or --heldout-domain")
+        # typed options that only the random split uses are refused; values a --config
+        # file's [trace.split] table gives (e.g. the example's holdout and seed) stand down
+        given = [f"--{name}" for name in ("holdout", "seed") if typed(ctx, name)]
+        if given:
+            raise InputError(
+                f"{' and '.join(given)} {'are' if len(given) > 1 else 'is'} for a random "
+                "split; --heldout-domain holds out whole domains: give one or the other"
+            )
         s = split_trace_by_domain(path, fit_out, heldout_out, heldout_domain.split(","))
         console.print(
             f"held out domain(s) {', '.join(s['heldout_domains'])} of {', '.join(s['domains'])}: "

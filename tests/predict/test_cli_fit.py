@@ -134,3 +134,18 @@ def test_real_counts_thinning_and_cross_domain(tmp_path, capsys):
         main([*base, "--out", str(tmp_path / "c"), "--domain", "arxiv", "--eval-domain", "arxiv"])
         == 2
     )
+
+
+def test_a_config_files_holdout_stands_down_for_eval_domain(tmp_path, capsys):
+    # the example's [fit] table sets holdout = 0.5; a cross-domain fit with it still runs,
+    # while --holdout typed beside --eval-domain is still refused
+    path = require(OLMOE_COUNTS)
+    cfg = tmp_path / "moeplan.toml"
+    cfg.write_text("[fit]\nholdout = 0.5\nseed = 0\n")
+    base = ["fit", str(path), "--model", "Mixtral", "--domain", "arxiv", "--eval-domain", "github"]
+    report = run_json(capsys, ["--config", str(cfg), *base, "--out", str(tmp_path / "a"), "--json"])
+    assert report["report"]["split"]["kind"] == "domain"
+    capsys.readouterr()
+    assert main([*base, "--out", str(tmp_path / "b"), "--holdout", "0.5"]) == 2
+    assert "choose either --holdout" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()

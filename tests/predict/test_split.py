@@ -126,7 +126,9 @@ def test_trace_split_cli_by_domain_and_its_one_line_errors(tmp_path, exact_trace
     assert main([*base, "--heldout-domain", "0"]) == 0
     assert "held out domain(s) 0 of 0, 1" in capsys.readouterr().out
     for extra, message in (
-        (["--heldout-domain", "0", "--holdout", "0.3"], "choose either"),
+        (["--heldout-domain", "0", "--holdout", "0.3"], "--holdout is for a random split"),
+        (["--heldout-domain", "0", "--seed", "3"], "--seed is for a random split"),
+        (["--seed", "3", "--heldout-domain", "0", "--holdout", "0.3"], "--holdout and --seed are"),
         (["--heldout-domain", "9"], "no domain '9'"),
     ):
         capsys.readouterr()
@@ -134,3 +136,19 @@ def test_trace_split_cli_by_domain_and_its_one_line_errors(tmp_path, exact_trace
         assert main([*out, *extra]) == 2
         err = capsys.readouterr().err
         assert err.startswith("moeplan: error:") and message in err and err.count("\n") == 1
+
+
+def test_a_config_files_random_split_settings_stand_down_for_a_domain_split(
+    tmp_path, exact_trace, capsys
+):
+    # the example's [trace.split] table sets holdout and seed; --heldout-domain still works
+    from planner.cli.main import main
+
+    path, _ = exact_trace
+    cfg = tmp_path / "moeplan.toml"
+    cfg.write_text("[trace.split]\nholdout = 0.5\nseed = 0\n")
+    args = ["--config", str(cfg), "trace", "split", str(path), "--heldout-domain", "1"]
+    assert (
+        main([*args, "--fit-out", str(tmp_path / "f"), "--heldout-out", str(tmp_path / "h")]) == 0
+    )
+    assert "held out domain(s) 1 of 0, 1" in capsys.readouterr().out
