@@ -186,18 +186,15 @@ def _worker_pool(workers: int) -> Iterator[cf.ProcessPoolExecutor]:
     this process's own BLAS has read them already and is unaffected.
     """
     threads = str(max(1, (os.cpu_count() or 1) // workers))
-    saved = {name: os.environ.get(name) for name in _THREAD_VARS}
-    for name, value in saved.items():
-        if value is None:
-            os.environ[name] = threads
+    added = [name for name in _THREAD_VARS if name not in os.environ]
+    os.environ.update(dict.fromkeys(added, threads))
     try:
         ctx = mp.get_context("spawn")
         with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
             yield pool
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
+        for name in added:
+            os.environ.pop(name, None)
 
 
 def _polish_task(problems, placements, term, run, passes) -> tuple:
