@@ -22,6 +22,10 @@ then placed by the shared capacity assignment on the repaired expert placement.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import os
+import sys
 import time
 
 import numpy as np
@@ -70,9 +74,10 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
         expert_w = max(int(round(expert_weight * token_w.sum() / problem.num_experts)), 0)
         vweights = np.concatenate((np.full(problem.num_experts, expert_w, dtype=np.int64), token_w))
         options = pymetis.Options(seed=int(config.seed) + cut, ufactor=ufactor)
-        _, membership = pymetis.part_graph(
-            problem.ep_size, adjacency, vweights=vweights, eweights=eweights, options=options
-        )
+        with _c_stdout_silenced():
+            _, membership = pymetis.part_graph(
+                problem.ep_size, adjacency, vweights=vweights, eweights=eweights, options=options
+            )
         parts = np.asarray(membership, dtype=np.int64)
         expert_part, token_part = parts[: problem.num_experts], parts[problem.num_experts :]
         x = repair_expert_counts(
@@ -98,6 +103,37 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     return finish(
         problem, "metis", x, seed=config.seed, started=started, token_to_device=t, info=info
     )
+
+
+@contextlib.contextmanager
+def _c_stdout_silenced():
+    """Send what C code prints on file descriptor 1 to /dev/null for the block.
+
+    METIS prints its complaints about small graphs ("Cannot bisect a graph with 0
+    vertices!") with C's printf, which would corrupt ``moeplan compare --json``; it still
+    returns a partition, which the repair then handles like any other.
+    """
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no file descriptor 1 (e.g. a detached process): nothing to protect
+        yield
+        return
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 1)
+        yield
+    finally:
+        _flush_c_stdio()  # what C buffered goes to /dev/null too, not to the real stdout later
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _flush_c_stdio() -> None:
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError, TypeError):  # no C library to ask (e.g. Windows)
+        pass
 
 
 def _as_tuple(value) -> tuple:

@@ -242,3 +242,12 @@ def test_ilp_on_too_large_instances_keeps_the_frequent_tokens(small_problem) -> 
     assert not p.info["exact"]
     assert 0 < p.info["tokens_in_program"] < small_problem.num_tokens
     assert "most frequent" in p.info["note"]
+
+
+def test_metis_prints_nothing_on_stdout(capfd) -> None:
+    # METIS printf()s "***Cannot bisect a graph with 0 vertices!" when asked for more parts
+    # than a small graph can give; that text once led `moeplan compare --json`'s output
+    p = solve_layer(random_problem(4, 64, 32), "metis", SolverConfig())
+    assert np.bincount(p.expert_to_device, minlength=32).tolist() == [2] * 32
+    out, _ = capfd.readouterr()
+    assert out == ""
