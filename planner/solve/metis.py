@@ -130,10 +130,8 @@ def _c_stdout_silenced():
 
 
 def _flush_c_stdio() -> None:
-    try:
+    with contextlib.suppress(OSError, AttributeError, TypeError):  # no C library (Windows)
         ctypes.CDLL(None).fflush(None)
-    except (OSError, AttributeError, TypeError):  # no C library to ask (e.g. Windows)
-        pass
 
 
 def _as_tuple(value) -> tuple:
