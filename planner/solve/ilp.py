@@ -34,6 +34,15 @@ the shared capacity assignment on the program's expert placement, and ``info`` s
 before a proof, ``info["status"]`` is "feasible (time limit)" and ``info["bound"]`` gives
 the best proven upper bound on the objective of the program that was solved.
 
+Start: both solvers are handed a feasible placement to start from (``start``, on by
+default): the contiguous expert placement of ``vanilla`` (it respects the symmetry
+breaking) with the shared capacity assignment of the tokens. Without it the solver may
+reach its time limit with no placement at all (the example model at EP 4 with the default
+``max_variables``: "found no placement within 10 s"); with it the program's answer is at
+least that start's. HiGHS checks its time limit only between phases, so on hard programs it
+can run well past it (a 64-expert, EP 32 layer: 76 s under a 10 s limit, in the root's cut
+loop); ``info["seconds_over_limit"]`` reports it.
+
 Solvers: HiGHS through its Python API (``pulp.HiGHS``, needs highspy) or CBC
 (``pulp.PULP_CBC_CMD``). ``lp_path`` writes the program in LP format before solving.
 """
@@ -43,12 +52,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import highspy
 import numpy as np
 import pulp
 
 from planner._io import atomic_path
 from planner.errors import InfeasibleError, InputError
-from planner.solve.common import check_options, finish
+from planner.solve.common import assign_for_problem, check_options, device_gains, finish
 from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig
 
 DEFAULTS: dict[str, object] = {
@@ -58,6 +68,7 @@ DEFAULTS: dict[str, object] = {
     "gap_rel": 1e-6,  # relative MIP gap at which the solver may stop and call it optimal
     "lp_path": None,  # write the program in LP format here
     "msg": False,  # solver log on stdout
+    "start": True,  # hand the solver a feasible placement to start from (module doc)
 }
 KINDS = {"max_variables": "count+", "lp_path": "text?"}  # see common.check_options
 DEFAULT_TIME_LIMIT = 60.0
@@ -74,19 +85,25 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     )
     symmetry = bool(opts["symmetry_breaking"])
     capacity = sub.capacity
-    prog, x_vars, y_vars = build_program(sub, symmetry_breaking=symmetry)
+    start = _start(sub) if opts["start"] else None
+    prog, x_vars, y_vars = build_program(sub, symmetry_breaking=symmetry, start=start)
     if opts["lp_path"]:
         with atomic_path(Path(str(opts["lp_path"]))) as tmp:
             prog.writeLP(str(tmp))
+    solve_started = time.perf_counter()
     prog.solve(solver)
     status = _status(prog)
     if status == "infeasible" and sub.balance == "cap":
         # tokens are indivisible: allow one maximal token above the cap (the slack rule of
         # planner.solve.problem) rather than give up
         capacity = sub.capacity + sub.load_slack
-        prog, x_vars, y_vars = build_program(sub, symmetry_breaking=symmetry, capacity=capacity)
+        prog, x_vars, y_vars = build_program(
+            sub, symmetry_breaking=symmetry, capacity=capacity, start=start
+        )
+        solve_started = time.perf_counter()
         prog.solve(solver)
         status = _status(prog)
+    over = time.perf_counter() - solve_started - time_limit
     if status == "infeasible":
         raise InfeasibleError(
             f"ilp: no placement meets the token cap {capacity:.6g} (beta={problem.beta:g}); "
@@ -118,7 +135,10 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
         "symmetry_breaking": bool(opts["symmetry_breaking"]),
         "time_limit": time_limit,
         "token_cap": capacity,
+        "start": start is not None,
     }
+    if over > 1.0:
+        info["seconds_over_limit"] = round(over, 1)
     if not exact:
         info["note"] = (
             f"program on the {keep.size} most frequent of {problem.num_tokens} tokens; "
@@ -130,11 +150,17 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
 
 
 def build_program(
-    problem: LayerProblem, *, symmetry_breaking: bool = True, capacity: float | None = None
+    problem: LayerProblem,
+    *,
+    symmetry_breaking: bool = True,
+    capacity: float | None = None,
+    start: tuple[np.ndarray, np.ndarray] | None = None,
 ):
     """The PuLP program of ``problem``. Returns (program, x_vars, y_vars).
 
     ``capacity`` overrides the token cap of "cap" mode (default ``problem.capacity``).
+    ``start`` = (expert_to_device, token_to_device) sets every variable's initial value
+    (the solver's start, :func:`_start`); it must respect the symmetry breaking.
 
     ``x_vars[k]`` / ``y_vars[j]`` map device -> variable (absent = fixed to 0 by symmetry).
     """
@@ -188,7 +214,37 @@ def build_program(
         )
     for j in range(problem.num_tokens):
         prog += pulp.lpSum(y_vars[j].values()) == 1, f"token_once_{j}"
+    if start is not None:
+        _set_start(prog, problem, x_vars, y_vars, *start)
     return prog, x_vars, y_vars
+
+
+def _start(problem: LayerProblem) -> tuple[np.ndarray, np.ndarray]:
+    """The contiguous expert placement (``vanilla``'s) and the shared token assignment on it.
+
+    Expert k sits on device k // (N/E) <= k, so the symmetry breaking keeps it.
+    """
+    x = np.arange(problem.num_experts, dtype=np.int64) // problem.experts_per_device
+    return x, assign_for_problem(problem, device_gains(problem, x)).token_to_device
+
+
+def _set_start(
+    prog: pulp.LpProblem, problem: LayerProblem, x_vars, y_vars, x: np.ndarray, t: np.ndarray
+) -> None:
+    loads = np.bincount(t, weights=problem.token_freq, minlength=problem.ep_size)
+    deviation = np.abs(loads - problem.total_freq / problem.ep_size)
+    for k, by_device in enumerate(x_vars):
+        for d, var in by_device.items():
+            var.setInitialValue(float(x[k] == d))
+    for j, by_device in enumerate(y_vars):
+        for d, var in by_device.items():
+            var.setInitialValue(float(t[j] == d))
+    for var in prog.variables():  # z_j_k_d = x[k, d] * y[j, d]
+        if var.name.startswith("z_"):
+            _, j, k, d = var.name.split("_")
+            var.setInitialValue(float(x[int(k)] == int(d) and t[int(j)] == int(d)))
+        elif var.name.startswith("dev_"):  # penalty mode: dev_d = |load_d - S/E|
+            var.setInitialValue(float(deviation[int(var.name.split("_")[1])]))
 
 
 def _tokens_in_budget(problem: LayerProblem, max_variables: int) -> np.ndarray:
@@ -200,11 +256,29 @@ def _tokens_in_budget(problem: LayerProblem, max_variables: int) -> np.ndarray:
     return np.sort(order[:count])
 
 
+class _HighsWithStart(pulp.HiGHS):
+    """``pulp.HiGHS`` that hands HiGHS the variables' initial values as its MIP start.
+
+    (PuLP passes a start to CBC with ``warmStart=True``, but not to HiGHS.)
+    """
+
+    def callSolver(self, lp):
+        values = [var.varValue for var in lp.variables()]  # var.index order
+        if values and all(v is not None for v in values):
+            solution = highspy.HighsSolution()
+            solution.col_value = [float(v) for v in values]
+            solution.value_valid = True
+            lp.solverModel.setSolution(solution)
+        lp.solverModel.run()
+
+
 def _make_solver(name: str, time_limit: float, gap_rel: float, msg: bool):
     if name == "highs":
-        solver = pulp.HiGHS(msg=msg, timeLimit=time_limit, gapRel=gap_rel, threads=1)
+        solver = _HighsWithStart(msg=msg, timeLimit=time_limit, gapRel=gap_rel, threads=1)
     elif name == "cbc":
-        solver = pulp.PULP_CBC_CMD(msg=msg, timeLimit=time_limit, gapRel=gap_rel, threads=1)
+        solver = pulp.PULP_CBC_CMD(
+            msg=msg, timeLimit=time_limit, gapRel=gap_rel, threads=1, warmStart=True
+        )
     else:
         raise InputError(f"ilp: solver={name!r} is not one of highs, cbc")
     if not solver.available():

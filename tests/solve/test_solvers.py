@@ -251,3 +251,21 @@ def test_metis_prints_nothing_on_stdout(capfd) -> None:
     assert np.bincount(p.expert_to_device, minlength=32).tolist() == [2] * 32
     out, _ = capfd.readouterr()
     assert out == ""
+
+
+def test_ilp_starts_from_a_feasible_placement_and_never_ends_below_it() -> None:
+    # with too little time to find a placement of its own the ILP used to fail ("found no
+    # placement within ... s"); it now gets the contiguous experts and the shared assignment
+    from planner.solve import ilp
+
+    problem = random_problem(300, 16, 4, top_k=2, seed=3)
+    x, t = ilp._start(problem)
+    start = objective(problem, device_gains(problem, x), t)
+    for limit in (0.01, 5.0):
+        p = solve_layer(problem, "ilp", SolverConfig(time_limit=limit))
+        assert p.info["start"] and p.objective >= start - 1e-6
+        assert np.bincount(p.expert_to_device, minlength=4).tolist() == [4] * 4
+    cold = solve_layer(
+        problem, "ilp", SolverConfig(time_limit=5.0, options={"ilp": {"start": False}})
+    )
+    assert not cold.info["start"]
