@@ -154,7 +154,7 @@ def compare(
     """Solve with each method and compare held-out LAR, balance and time, with the oracle bound."""
     if plot:
         check_plot_path(plot)
-    names = [m.strip() for m in methods.split(",") if m.strip()]
+    names = list(dict.fromkeys(m.strip() for m in methods.split(",") if m.strip()))  # once each
     unknown = [m for m in names if m not in SOLVERS]
     if unknown or not names:
         raise InputError(

@@ -139,7 +139,7 @@ def test_cli_chain(pipeline, tmp_path, capsys):
                 "--ep",
                 "2",
                 "--methods",
-                "vanilla,kmeans",
+                "vanilla,kmeans,vanilla",  # a method named twice runs once
                 "--json",
             ]
         )
