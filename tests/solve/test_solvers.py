@@ -235,6 +235,9 @@ def test_ilp_writes_the_program_and_cbc_agrees(tmp_path) -> None:
     cbc = solve_layer(problem, "ilp", SolverConfig(options={"ilp": {"solver": "cbc"}}))
     assert cbc.info["status"] == highs.info["status"] == "optimal"
     assert cbc.objective == pytest.approx(highs.objective)
+    presolved = solve_layer(problem, "ilp", SolverConfig(options={"ilp": {"presolve": True}}))
+    assert presolved.info["status"] == "optimal"
+    assert presolved.objective == pytest.approx(highs.objective)
 
 
 def test_ilp_on_too_large_instances_keeps_the_frequent_tokens(small_problem) -> None:
