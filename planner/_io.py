@@ -15,13 +15,17 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from planner.errors import InputError
+
 
 @contextlib.contextmanager
 def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path next to ``dest``; on success rename it onto ``dest``.
 
     Works for a file or a directory written at the yielded path. On error the temporary
-    path is removed and ``dest`` is left exactly as it was.
+    path is removed and ``dest`` is left exactly as it was. A file never replaces a
+    directory; callers that replace a directory check first that it is theirs
+    (:func:`check_output`).
     """
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -31,6 +35,8 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
     tmp.unlink()
     try:
         yield tmp
+        if dest.is_dir() and not dest.is_symlink() and not tmp.is_dir():
+            raise InputError(f"{dest}: is a directory; a file cannot replace it")
         if dest.is_dir() and not dest.is_symlink():
             # os.replace cannot replace a non-empty directory: swap via a backup name.
             backup = dest.with_name(f".{dest.name}.old")
@@ -46,6 +52,32 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
         elif tmp.exists():
             tmp.unlink()
+
+
+def check_output(path: str | os.PathLike, *, marker: str, what: str, inputs: tuple = ()) -> Path:
+    """``path`` as a Path if a ``what`` (a directory artifact) may be written there.
+
+    Nothing there, an empty directory, or an earlier ``what`` (a directory holding an entry
+    that matches the glob ``marker``) may be replaced. Refused with :class:`InputError`,
+    so that a mistyped output path deletes nothing: a file; any other non-empty directory;
+    one of the command's ``inputs``, or a directory holding one (replacing it would delete
+    the input while the command reads it).
+    """
+    path = Path(path)
+    here = path.resolve()
+    for given in inputs:
+        source = Path(given).resolve()
+        if here == source or here in source.parents:
+            raise InputError(
+                f"{path}: the command reads its input {given} there; choose another output path"
+            )
+    if path.exists() and not path.is_dir():
+        raise InputError(f"{path}: exists and is a file; a {what} is a directory")
+    if path.is_dir() and any(path.iterdir()) and not any(path.glob(marker)):
+        raise InputError(
+            f"{path}: is a non-empty directory that is not a {what}; choose another output path"
+        )
+    return path
 
 
 def write_bytes_atomic(dest: str | os.PathLike, data: bytes) -> None:

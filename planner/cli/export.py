@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import typer
 from rich.table import Table
 
+from planner._io import check_output
 from planner.cli.app import app, console, err_console
 from planner.errors import InputError, SchemaError
 from planner.evaluate import EvalConfig, evaluate_bundle
 from planner.evaluate.plots import check_plot_path, plot_evaluation
 from planner.export import FORMATS, export_plan, load_tables, verify_bundle
+from planner.export.bundle import MANIFEST_FILE
 from planner.export.engines import get_format
 from planner.trace import open_trace
 
@@ -103,8 +104,7 @@ def export(
             f"wrote {fmt.name} placement to {out}\n  use it with: {fmt.usage}"
         )
         return
-    if Path(out).exists() and not Path(out).is_dir():
-        raise InputError(f"--out {out} exists and is a file; a bundle is a directory")
+    check_output(out, marker=MANIFEST_FILE, what="moeplan bundle", inputs=(plan,))
     result = export_plan(bundle, out, engines=engines, num_model_layers=num_model_layers)
     if as_json:
         console.print_json(json.dumps(result))

@@ -15,6 +15,7 @@ from planner.evaluate.plots import check_plot_path, plot_comparison
 from planner.predict.predictor import load_predictor
 from planner.solve.ngram_term import DEFAULT_WEIGHT
 from planner.solve.pipeline import PlanConfig, make_plan
+from planner.solve.plan import check_plan_output
 from planner.solve.registry import SOLVERS
 from planner.trace import open_trace
 
@@ -84,6 +85,7 @@ def solve(
     as_json: bool = typer.Option(False, "--json", help="Print the per-layer reports as JSON."),
 ) -> None:
     """Place every layer's experts on E devices and give every token a device."""
+    check_plan_output(out, inputs=(predictor,))  # before the work, not after it
     pred = load_predictor(predictor)
     config = PlanConfig(
         method, ep, beta, seed, jobs, time_limit, ngram_order, _options(options), ngram_weight,

@@ -16,7 +16,7 @@ import numpy as np
 from planner.export.bundle import Bundle, load_bundle_arrays, save_bundle, verify_bundle
 from planner.export.engines import EnginePlacement, get_format
 from planner.solve.pipeline import plan_meta
-from planner.solve.plan import Plan
+from planner.solve.plan import PLAN_FILE, Plan
 
 
 def bundle_from_plan(plan: Plan, metrics: dict[str, Any] | None = None) -> Bundle:
@@ -54,7 +54,7 @@ def bundle_from_plan(plan: Plan, metrics: dict[str, Any] | None = None) -> Bundl
 def load_tables(path: str | os.PathLike) -> Bundle:
     """A plan directory (``plan.json``) or a bundle directory, as bundle tables."""
     p = Path(path)
-    if (p / "plan.json").is_file():
+    if (p / PLAN_FILE).is_file():
         return bundle_from_plan(Plan.load(p))
     return load_bundle_arrays(p)
 

@@ -47,7 +47,7 @@ import safetensors
 import safetensors.numpy
 
 from planner import __version__
-from planner._io import atomic_path, sha256_file
+from planner._io import atomic_path, check_output, sha256_file
 from planner.errors import InputError, MismatchError, SchemaError
 from planner.trace.schema import TraceMeta
 
@@ -472,6 +472,7 @@ def save_bundle(
     for name in extra_files or {}:
         if name in reserved or Path(name).name != name or name.startswith("."):
             raise InputError(f"extra bundle file name {name!r} is reserved or not a plain name")
+    check_output(dest, marker=MANIFEST_FILE, what="moeplan bundle")
     with atomic_path(dest) as tmp:
         tmp.mkdir()
         tables_path = tmp / TABLES_FILE

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from planner import __version__
-from planner._io import atomic_path, sha256_file
+from planner._io import atomic_path, check_output, sha256_file
 from planner.errors import InputError, MismatchError, SchemaError
 from planner.predict.affinity import TokenExpertAffinity
 from planner.predict.batches import BatchMix
@@ -262,19 +262,13 @@ class Predictor:
         )
 
 
-def check_destination(path: str | Path) -> Path:
+def check_destination(path: str | Path, inputs: tuple = ()) -> Path:
     """``path`` as a Path if a predictor may be written there, else :class:`InputError`.
 
-    An existing predictor is replaced; a file or any other non-empty directory is refused.
+    An existing predictor is replaced; a file, any other non-empty directory, or one of
+    the command's ``inputs`` is refused (:func:`planner._io.check_output`).
     """
-    path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise InputError(f"{path}: exists and is a file; --out must name a directory")
-    if path.is_dir() and any(path.iterdir()) and not (path / MANIFEST).is_file():
-        raise InputError(
-            f"{path}: is a non-empty directory that is not a predictor; choose another --out"
-        )
-    return path
+    return check_output(path, marker=MANIFEST, what="predictor", inputs=inputs)
 
 
 def load_predictor(path: str | Path, meta: TraceMeta | None = None) -> Predictor:

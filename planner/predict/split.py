@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from scipy import sparse
 
-from planner._io import atomic_path
+from planner._io import atomic_path, check_output
 from planner.errors import InputError
 from planner.predict.counts import TokenExpertCounts
 from planner.trace.io import TraceWriter, open_trace
@@ -173,6 +173,10 @@ def split_trace_by_domain(
 
 def _write_sides(trace, fit_out, heldout_out, heldout_mask) -> dict:
     """Stream ``trace`` into a fitting and a held-out trace by ``heldout_mask(batch)`` [T] bool."""
+    if Path(fit_out).resolve() == Path(heldout_out).resolve():
+        raise InputError(f"--fit-out and --heldout-out are both {fit_out}; give two paths")
+    for out in (fit_out, heldout_out):
+        check_output(out, marker="part-*.parquet", what="trace", inputs=(trace.path,))
     counts = {"fit": 0, "heldout": 0}
     requests: dict[str, set] = {"fit": set(), "heldout": set()}
     with atomic_path(fit_out) as fit_tmp, atomic_path(heldout_out) as held_tmp:

@@ -39,14 +39,16 @@ default): the contiguous expert placement of ``vanilla`` (it respects the symmet
 breaking) with the shared capacity assignment of the tokens. Without it the solver may
 reach its time limit with no placement at all (the example model at EP 4 with the default
 ``max_variables``: "found no placement within 10 s"); with it the program's answer is at
-least that start's. HiGHS checks its time limit only between phases, so on hard programs it
-can run well past it (a 64-expert, EP 32 layer: 76 s under a 10 s limit, in the root's cut
-loop); ``info["seconds_over_limit"]`` reports it.
+least that start's. HiGHS checks its time limit only between phases, so it may run past it
+(with its presolve on, a 64-expert EP 32 layer took 76 s under a 10 s limit, in the root's
+cut loop; below); ``info["seconds_over_limit"]`` reports any overrun beyond a second.
 
 Presolve: HiGHS runs without its presolve (``presolve``, off by default). On the 32 small
 instances of ``benchmarks/solve_quality.py --sections ilp`` both settings prove the same
-optima, without it in 103 s in all (the slowest 15 s) instead of 288 s (59 s), run side by side;
-on the example at EP 4 above, 28.6 s instead of 48 s under the 10 s limit.
+optima, without it in 103 s in all (the slowest 15 s) instead of 288 s (59 s), run side by
+side. It also keeps HiGHS near its time limit: under a 10 s limit the example's layer 0
+(EP 4 and 8, default ``max_variables``) takes 13.4 s and 14.0 s in all instead of 48 s and 65 s,
+and the 64-expert EP 32 layer above 12.8 s instead of 76 s.
 
 Solvers: HiGHS through its Python API (``pulp.HiGHS``, needs highspy) or CBC
 (``pulp.PULP_CBC_CMD``). ``lp_path`` writes the program in LP format before solving.

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from planner._io import atomic_path
+from planner._io import atomic_path, check_output
 from planner.errors import InputError, MismatchError, SchemaError
 from planner.solve.ceo import model_layer_effort
 from planner.solve.chain import chain_polish
@@ -46,6 +46,14 @@ from planner.solve.registry import get_solver
 
 PLAN_FORMAT = "moeplan-plan"
 PLAN_FORMAT_VERSION = 1
+
+
+PLAN_FILE = "plan.json"  # marks a plan directory
+
+
+def check_plan_output(path: str | Path, inputs: tuple = ()) -> Path:
+    """``path`` as a Path if a plan may be written there (:func:`planner._io.check_output`)."""
+    return check_output(path, marker=PLAN_FILE, what="plan", inputs=inputs)
 
 
 def layer_seed(seed: int, layer: int) -> int:
@@ -353,16 +361,17 @@ class Plan:
             arrays["ngram_confidence"] = self.ngram_confidence
         buffer = io.BytesIO()
         np.savez_compressed(buffer, **arrays)
+        check_plan_output(path)
         with atomic_path(path) as tmp:
             tmp.mkdir()
             (tmp / "tables.npz").write_bytes(buffer.getvalue())
-            (tmp / "plan.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+            (tmp / PLAN_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         return path
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         path = Path(path)
-        meta_path, tables_path = path / "plan.json", path / "tables.npz"
+        meta_path, tables_path = path / PLAN_FILE, path / "tables.npz"
         if not meta_path.is_file() or not tables_path.is_file():
             raise InputError(f"{path} is not a plan directory (plan.json and tables.npz expected)")
         try:

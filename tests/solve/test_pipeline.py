@@ -240,3 +240,41 @@ def test_ngram_table_defers_to_reliable_tokens(pipeline, tmp_path, capsys):
         assert main([*args, flag, "--json"]) == 0
         assert Plan.load(out).config["ngram_defer"] is on
     capsys.readouterr()
+
+
+def test_outputs_never_replace_inputs_or_other_directories(pipeline, tmp_path, capsys):
+    """solve/export/fit/split refuse an --out that is their input, holds it, or is a
+    directory of something else; a file never replaces a directory. Nothing is touched."""
+    d, _, _, _ = pipeline
+    pred, plan, mine = tmp_path / "pred", tmp_path / "plan", tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    assert main(["fit", str(d / "fit"), "--out", str(pred)]) == 0
+    assert main(["solve", str(pred), "--ep", "2", "--method", "vanilla", "--out", str(plan)]) == 0
+    capsys.readouterr()
+    refused = [
+        (["solve", str(pred), "--ep", "2", "--out", str(pred)], "reads its input"),
+        (["solve", str(pred), "--ep", "2", "--out", str(tmp_path)], "reads its input"),
+        (["solve", str(pred), "--ep", "2", "--out", str(mine)], "not a plan"),
+        (["solve", str(pred), "--ep", "2", "--out", str(mine / "notes.txt")], "is a file"),
+        (["export", str(plan), "--out", str(plan)], "reads its input"),
+        (["export", str(plan), "--out", str(pred)], "not a moeplan bundle"),
+        (["export", str(plan), "--out", str(plan), "--format", "sglang"], "cannot replace"),
+        (["fit", str(d / "fit"), "--out", str(d / "fit")], "reads its input"),
+        (["fit", str(d / "fit"), "--out", str(plan)], "not a predictor"),
+        (["trace", "split", str(d / "fit"), "--fit-out", str(d / "fit"), "--heldout-out",
+          str(tmp_path / "h")], "reads its input"),
+        (["trace", "split", str(d / "fit"), "--fit-out", str(tmp_path / "f"), "--heldout-out",
+          str(tmp_path / "f")], "give two paths"),
+        (["trace", "split", str(d / "fit"), "--fit-out", str(mine), "--heldout-out",
+          str(tmp_path / "h")], "not a trace"),
+    ]  # fmt: skip
+    before = {p: sorted(x.name for x in p.iterdir()) for p in (pred, plan, mine, d / "fit")}
+    for args, message in refused:
+        assert main(args) == 2, args
+        assert message in capsys.readouterr().err, args
+    assert {p: sorted(x.name for x in p.iterdir()) for p in before} == before
+    assert (mine / "notes.txt").read_text() == "keep"
+    assert not (tmp_path / "f").exists() and not (tmp_path / "h").exists()
+    # an earlier output of the same kind is still replaced
+    assert main(["solve", str(pred), "--ep", "2", "--method", "kmeans", "--out", str(plan)]) == 0
