@@ -54,23 +54,31 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
             tmp.unlink()
 
 
-def check_output(path: str | os.PathLike, *, marker: str, what: str, inputs: tuple = ()) -> Path:
-    """``path`` as a Path if a ``what`` (a directory artifact) may be written there.
+def check_output(
+    path: str | os.PathLike, *, marker: str | None, what: str, inputs: tuple = ()
+) -> Path:
+    """``path`` as a Path if a ``what`` may be written there, else :class:`InputError`.
 
-    Nothing there, an empty directory, or an earlier ``what`` (a directory holding an entry
-    that matches the glob ``marker``) may be replaced. Refused with :class:`InputError`,
-    so that a mistyped output path deletes nothing: a file; any other non-empty directory;
-    one of the command's ``inputs``, or a directory holding one (replacing it would delete
-    the input while the command reads it).
+    A directory artifact (``marker`` given) may replace nothing, an empty directory, or an
+    earlier ``what`` (a directory holding an entry that matches the glob ``marker``); a
+    file, or any other non-empty directory, is refused. A file artifact (``marker`` None)
+    may replace a file, never a directory, nor a file inside one of the ``inputs``. Either
+    kind refuses one of the command's ``inputs`` or a directory holding one (replacing it
+    would delete the input while the command reads it). So a mistyped output path deletes
+    nothing.
     """
     path = Path(path)
     here = path.resolve()
     for given in inputs:
         source = Path(given).resolve()
-        if here == source or here in source.parents:
+        if here == source or here in source.parents or (marker is None and source in here.parents):
             raise InputError(
                 f"{path}: the command reads its input {given} there; choose another output path"
             )
+    if marker is None:
+        if path.is_dir():
+            raise InputError(f"{path}: is a directory; a {what} is a file")
+        return path
     if path.exists() and not path.is_dir():
         raise InputError(f"{path}: exists and is a file; a {what} is a directory")
     if path.is_dir() and any(path.iterdir()) and not any(path.glob(marker)):

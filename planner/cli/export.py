@@ -97,6 +97,7 @@ def export(
         from planner.export.engines import EnginePlacement
 
         fmt = get_format(engines[0])
+        check_output(out, marker=None, what=f"{fmt.name} file", inputs=(plan,))
         text = fmt.render(EnginePlacement.from_bundle(bundle, num_model_layers))
         write_bytes_atomic(out, text.encode())
         result = {"path": out, "format": fmt.name, "usage": fmt.usage}
