@@ -35,9 +35,9 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
     tmp.unlink()
     try:
         yield tmp
-        if dest.is_dir() and not dest.is_symlink() and not tmp.is_dir():
-            raise InputError(f"{dest}: is a directory; a file cannot replace it")
         if dest.is_dir() and not dest.is_symlink():
+            if not tmp.is_dir():
+                raise InputError(f"{dest}: is a directory; a file cannot replace it")
             # os.replace cannot replace a non-empty directory: swap via a backup name.
             backup = dest.with_name(f".{dest.name}.old")
             if backup.exists():

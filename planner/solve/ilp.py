@@ -191,12 +191,16 @@ def build_program(
         {d: pulp.LpVariable(f"y_{j}_{d}", cat="Binary") for d in range(e)}
         for j in range(problem.num_tokens)
     ]
+    if start is not None:
+        _set_start(x_vars, y_vars, *start)
     local_terms = []
     for j in range(problem.num_tokens):
         for pos in range(w.indptr[j], w.indptr[j + 1]):
             k, weight = int(w.indices[pos]), float(w.data[pos])
             for d, xv in x_vars[k].items():
                 z = pulp.LpVariable(f"z_{j}_{k}_{d}", lowBound=0, upBound=1)
+                if start is not None:  # z = x[k, d] * y[j, d]
+                    z.setInitialValue(xv.varValue * y_vars[j][d].varValue)
                 prog += z <= xv, f"zx_{j}_{k}_{d}"
                 prog += z <= y_vars[j][d], f"zy_{j}_{k}_{d}"
                 local_terms.append((z, weight))
@@ -214,6 +218,8 @@ def build_program(
         mean = problem.total_freq / e
         dev = [pulp.LpVariable(f"dev_{d}", lowBound=0) for d in range(e)]
         for d in range(e):
+            if start is not None:  # dev_d = |load_d - S/E|
+                dev[d].setInitialValue(abs(pulp.value(loads[d]) - mean))
             prog += dev[d] >= loads[d] - mean, f"dev_hi_{d}"
             prog += dev[d] >= mean - loads[d], f"dev_lo_{d}"
         prog += (1 - problem.theta) * local - problem.theta * pulp.lpSum(dev)
@@ -226,8 +232,6 @@ def build_program(
         )
     for j in range(problem.num_tokens):
         prog += pulp.lpSum(y_vars[j].values()) == 1, f"token_once_{j}"
-    if start is not None:
-        _set_start(prog, problem, x_vars, y_vars, *start)
     return prog, x_vars, y_vars
 
 
@@ -240,23 +244,13 @@ def _start(problem: LayerProblem) -> tuple[np.ndarray, np.ndarray]:
     return x, assign_for_problem(problem, device_gains(problem, x)).token_to_device
 
 
-def _set_start(
-    prog: pulp.LpProblem, problem: LayerProblem, x_vars, y_vars, x: np.ndarray, t: np.ndarray
-) -> None:
-    loads = np.bincount(t, weights=problem.token_freq, minlength=problem.ep_size)
-    deviation = np.abs(loads - problem.total_freq / problem.ep_size)
+def _set_start(x_vars, y_vars, x: np.ndarray, t: np.ndarray) -> None:
     for k, by_device in enumerate(x_vars):
         for d, var in by_device.items():
             var.setInitialValue(float(x[k] == d))
     for j, by_device in enumerate(y_vars):
         for d, var in by_device.items():
             var.setInitialValue(float(t[j] == d))
-    for var in prog.variables():  # z_j_k_d = x[k, d] * y[j, d]
-        if var.name.startswith("z_"):
-            _, j, k, d = var.name.split("_")
-            var.setInitialValue(float(x[int(k)] == int(d) and t[int(j)] == int(d)))
-        elif var.name.startswith("dev_"):  # penalty mode: dev_d = |load_d - S/E|
-            var.setInitialValue(float(deviation[int(var.name.split("_")[1])]))
 
 
 def _tokens_in_budget(problem: LayerProblem, max_variables: int) -> np.ndarray:
