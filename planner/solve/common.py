@@ -184,14 +184,8 @@ def assign_tokens(
         weights=freq[light], minlength=e,
     )  # fmt: skip
     charge(effort, "assign", steps=heavy.size, calls=0)
-    for j in heavy[np.argsort(-freq[heavy], kind="stable")]:
-        fits = freq[j] <= room + tol
-        if fits.any():
-            d = _best_tied(np.where(fits, gain[j] - freq[j] * price, -np.inf), room - light_demand)
-        else:
-            d = int(room.argmax())
-        token_to_device[j] = d
-        room[d] -= freq[j]
+    heavy = heavy[np.argsort(-freq[heavy], kind="stable")]
+    token_to_device[heavy] = _place_heavy(gain[heavy], freq[heavy], price, room, light_demand, tol)
     light_price = price
     if heavy.size and sweeps > 0:
         light_price = dual_prices(
@@ -260,16 +254,18 @@ def dual_prices(
     # 50k x 8 call: 160 ms instead of 240). The arithmetic is elementwise the same, and so
     # are the prices, bit for bit.
     gain_t = np.ascontiguousarray(gain.T)
+    # two [E, J] buffers reused by every sweep (fresh temporaries cost page faults)
+    adjusted, threshold = np.empty_like(gain_t), np.empty_like(gain_t)
     for _ in range(sweeps):
         charge(effort, "dual_prices", entries=num_tokens * e, steps=num_tokens)
-        adjusted = gain_t - price[:, None] * freq[None, :]
+        np.subtract(gain_t, np.multiply.outer(price, freq, out=adjusted), out=adjusted)
         first, best, second = _best_two(adjusted)
         # token j prefers d while p_d < threshold: its gain there over its best elsewhere
-        threshold = (gain_t - best[None, :]) / freq[None, :]
+        np.divide(np.subtract(gain_t, best, out=threshold), freq, out=threshold)
         threshold[first, cols] = (gain_t[first, cols] - second) / freq
         td, tj = np.nonzero(threshold > 0)
         tv = threshold[td, tj]
-        order = np.lexsort((-tv, td))
+        order = _by_device_then_descending(td, tv, e)
         td, tv, load = td[order], tv[order], freq[tj[order]]
         csum = np.cumsum(load)
         before = np.concatenate(([0.0], csum))[np.searchsorted(td, devices)]
@@ -284,6 +280,21 @@ def dual_prices(
         if np.abs(step).max() <= 1e-7 * scale:
             break
     return price
+
+
+def _by_device_then_descending(td: np.ndarray, tv: np.ndarray, e: int) -> np.ndarray:
+    """``np.lexsort((-tv, td))`` for ``td`` already sorted (as ``np.nonzero`` gives rows).
+
+    The same permutation, ties in the original order, from one stable sort per device's
+    segment: about twice as fast as the two-key sort on 80k-175k entries.
+    """
+    bounds = np.searchsorted(td, np.arange(e + 1))
+    descending = -tv
+    order = np.empty(td.size, dtype=np.intp)
+    for d in range(e):
+        lo, hi = bounds[d], bounds[d + 1]
+        order[lo:hi] = lo + np.argsort(descending[lo:hi], kind="stable")
+    return order
 
 
 def _best_two(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -350,11 +361,34 @@ def _regret_fill(
     return out
 
 
-def _best_tied(values: np.ndarray, preference: np.ndarray) -> int:
-    """argmax of ``values`` [E]; among (near-)ties the device with the highest preference."""
-    best = values.max()
-    ties = values >= best - _TIE_EPS * max(abs(best), 1e-300)
-    return int(np.where(ties, preference, -np.inf).argmax())
+def _place_heavy(
+    gain: np.ndarray, freq: np.ndarray, price: np.ndarray, room: np.ndarray, demand, tol
+) -> np.ndarray:
+    """Heavy tokens one by one, in the given order (step 2 of :func:`assign_tokens`).
+
+    Each goes to its best adjusted device (``gain - freq * price``) among those it fits on;
+    among (near-)ties the device with the most room beyond the light tokens' ``demand``; a
+    token that fits nowhere takes the device with the most room. Updates ``room``. Plain
+    Python floats (the same IEEE arithmetic as numpy's): per token, numpy's call overhead
+    on E values cost several times the work.
+    """
+    adjusted = (gain - freq[:, None] * price[None, :]).tolist()
+    left, demand = room.tolist(), np.asarray(demand).tolist()
+    devices = range(len(left))
+    out = []
+    for f, values in zip(freq.tolist(), adjusted, strict=True):
+        fits = [d for d in devices if f <= left[d] + tol]
+        if fits:
+            best = max(values[d] for d in fits)
+            cut = best - _TIE_EPS * max(abs(best), 1e-300)
+            # the first device of the highest preference among the ties (argmax's order)
+            d = max((d for d in fits if values[d] >= cut), key=lambda d: (left[d] - demand[d], -d))
+        else:
+            d = left.index(max(left))
+        out.append(d)
+        left[d] -= f
+    room[:] = left
+    return np.asarray(out, dtype=np.int64)
 
 
 def _room_rank(room: np.ndarray) -> np.ndarray:
@@ -739,8 +773,7 @@ def swap_candidates(
     e, per = problem.ep_size, problem.experts_per_device
     if e < 2:
         return []
-    dense = problem.affinity_dense
-    w, wc = problem.affinity, problem.affinity_csc
+    wc = problem.affinity_csc
     charge(effort, "swap_candidates", entries=gain.size, steps=e)
     adjusted = gain - problem.token_freq[:, None] * np.asarray(prices)[None, :]
     top = np.argsort(-adjusted, axis=1, kind="stable")[:, :3]
@@ -764,10 +797,7 @@ def swap_candidates(
         mem_q = members[q][np.argsort(pull[q, members[q]] - pull[p, members[q]], kind="stable")[:m]]
         cols = np.concatenate((mem_p, mem_q))
         # only tokens that route to one of the tried experts change value
-        touched = np.zeros(problem.num_tokens, dtype=bool)
-        for c in cols:
-            touched[wc.indices[wc.indptr[c] : wc.indptr[c + 1]]] = True
-        rows = np.flatnonzero(touched)
+        rows, block_all = _column_block(wc, cols)
         charge(effort, "swap_pair", entries=rows.size * (m * m + 2))
         if rows.size == 0:
             continue
@@ -775,8 +805,7 @@ def swap_candidates(
         outside = best_outside(top[rows], top_values[rows], p, q)
         delta = np.zeros((m, m))
         for lo in range(0, rows.size, chunk):
-            sel = rows[lo : lo + chunk]
-            block = dense[np.ix_(sel, cols)] if dense is not None else w[sel][:, cols].toarray()
+            sel, block = rows[lo : lo + chunk], block_all[lo : lo + chunk]
             diff = block[:, None, m:] - block[:, :m, None]  # W[j, f] - W[j, e]
             # value on p, on q, or outside, less the current value (in place: temporaries
             # of [rows, m, m] cost more than the arithmetic)
@@ -790,6 +819,22 @@ def swap_candidates(
         candidates.append((float(delta[i, j]), p, q, mem_p[i], mem_q[j]))
     scale = max(float(np.abs(current).sum()), 1.0) * 1e-12
     return sorted((c for c in candidates if c[0] > scale), key=lambda c: -c[0])
+
+
+def _column_block(wc, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rows [R], block [R, C]): the rows of W (CSC ``wc``) with a nonzero in ``cols``, in
+    increasing order, and W[rows][:, cols] dense (copied from the columns' nonzeros)."""
+    spans = [slice(wc.indptr[c], wc.indptr[c + 1]) for c in cols]
+    touched = np.zeros(wc.shape[0], dtype=bool)
+    for span in spans:
+        touched[wc.indices[span]] = True
+    rows = np.flatnonzero(touched)
+    position = np.zeros(wc.shape[0], dtype=np.intp)
+    position[rows] = np.arange(rows.size)
+    block = np.zeros((rows.size, len(spans)))
+    for i, span in enumerate(spans):
+        block[position[wc.indices[span]], i] = wc.data[span]
+    return rows, block
 
 
 def best_outside(top: np.ndarray, values: np.ndarray, p, q) -> np.ndarray:

@@ -47,8 +47,6 @@ from scipy import sparse
 from planner.errors import InfeasibleError, InputError, MismatchError
 
 BALANCE_MODES = ("cap", "penalty")
-# Largest J x N for which solvers may hold W densely (64 MiB of float64).
-DENSE_LIMIT = 1 << 23
 # Relative tolerance when comparing loads with a capacity (float sums of frequencies).
 LOAD_RTOL = 1e-9
 
@@ -251,13 +249,6 @@ class LayerProblem:
     def affinity_csc(self) -> sparse.csc_matrix:
         """W [J, N] in CSC form (column access: the tokens that route to an expert)."""
         return self.affinity.tocsc()
-
-    @functools.cached_property
-    def affinity_dense(self) -> np.ndarray | None:
-        """W [J, N] as a dense float64 array when it has at most 2**23 entries, else None."""
-        if self.num_tokens * self.num_experts > DENSE_LIMIT:
-            return None
-        return self.affinity.toarray()
 
     @functools.cached_property
     def expert_load(self) -> np.ndarray:
