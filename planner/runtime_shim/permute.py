@@ -230,7 +230,7 @@ def apply_expert_placement(
         tables: a :class:`~planner.runtime_shim.tables.PlanTables` (anything with an
             ``expert_permutation`` [L, N] tensor and, optionally, a ``manifest`` dict).
         moe_layer_indices: model layer index of each of the L table rows. Default: the
-            bundle manifest's ``model.moe_layer_indices`` when present, else every MoE
+            bundle manifest's ``moe_layer_indices`` when present, else every MoE
             layer of the model; either way each index must be an MoE layer of the model.
 
     Returns:
@@ -257,10 +257,19 @@ def apply_expert_placement(
     big_l, n = perm.shape
 
     if moe_layer_indices is None:
-        manifest = getattr(tables, "manifest", None) or {}
-        moe_layer_indices = (manifest.get("model") or {}).get("moe_layer_indices")
-        if moe_layer_indices is None:
-            moe_layer_indices = sorted(by_index)
+        manifest = getattr(tables, "manifest", None)
+        # a bundle's manifest.json keeps them at its top level (next to "model")
+        moe_layer_indices = (manifest if isinstance(manifest, dict) else {}).get(
+            "moe_layer_indices"
+        ) or sorted(by_index)
+    if (
+        not isinstance(moe_layer_indices, Sequence)
+        or isinstance(moe_layer_indices, str)
+        or not all(
+            isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in moe_layer_indices
+        )
+    ):
+        raise InputError(f"moe_layer_indices must be a list of integers, got {moe_layer_indices!r}")
     layers = [int(i) for i in moe_layer_indices]
     if len(layers) != big_l:
         raise MismatchError(

@@ -8,7 +8,9 @@ import torch
 from torch import nn
 
 from planner.errors import InputError, MismatchError, ModelError
+from planner.export.bundle import Bundle, save_bundle
 from planner.profile.routers import ADAPTERS
+from planner.runtime_shim import PlanTables, load_bundle
 from planner.runtime_shim.permute import (
     EXPERT_TENSORS,
     _reorder_module_list,
@@ -18,6 +20,7 @@ from planner.runtime_shim.permute import (
     permute_expert_axis,
     physical_to_logical,
 )
+from planner.trace.schema import TraceMeta
 from tests.profile.tiny_models import ARCH_CONFIGS, build_model
 from tests.runtime_shim.conftest import make_tables
 
@@ -176,9 +179,46 @@ def test_moe_layers_inferred_given_or_from_the_manifest():
     # From the manifest.
     model = fresh_qwen3()
     w3 = model.base_model.layers[3].mlp.gate.weight.clone()
-    manifest = {"model": {"moe_layer_indices": [3, 1]}}
+    manifest = {"moe_layer_indices": [3, 1]}
     apply_expert_placement(model, make_tables(perm, EP_SIZE, manifest=manifest))
     assert torch.equal(model.base_model.layers[3].mlp.gate.weight, w3[torch.from_numpy(perm[0])])
+    with pytest.raises(InputError, match="list of integers"):
+        apply_expert_placement(fresh_qwen3(), make_tables(perm, EP_SIZE), ["3", "1"])
+
+
+def saved_bundle_tables(tmp_path, perm: np.ndarray, moe_layer_indices) -> PlanTables:
+    """load_bundle of a bundle saved to disk, its manifest exactly as export writes it."""
+    big_l, n = perm.shape
+    meta = TraceMeta(
+        model="qwen3-tiny", num_layers=big_l, num_experts=n, top_k=2, vocab_size=72,
+        moe_layer_indices=moe_layer_indices,
+    )  # fmt: skip
+    expert_to_device = np.empty_like(perm)
+    for layer in range(big_l):
+        expert_to_device[layer, perm[layer]] = np.arange(n) // (n // EP_SIZE)
+    bundle = Bundle.from_arrays(
+        meta, ep_size=EP_SIZE, expert_to_device=expert_to_device,
+        token_to_device=np.zeros((big_l, 72), int), token_confidence=np.zeros((big_l, 72)),
+        ngram_to_device=np.zeros((big_l, EP_SIZE), int),
+        ngram_confidence=np.zeros((big_l, EP_SIZE)), ngram_order=1,
+    )  # fmt: skip
+    path = tmp_path / f"bundle-{'-'.join(map(str, moe_layer_indices))}"
+    save_bundle(bundle, path)
+    return load_bundle(path)
+
+
+def test_a_saved_bundles_moe_layer_indices_are_used(tmp_path):
+    # A real bundle keeps moe_layer_indices at the top of manifest.json: its rows go to those
+    # model layers, and a bundle planned for other layers is refused.
+    perm = np.stack([np.roll(np.arange(N_EXPERTS), 1), np.arange(N_EXPERTS)])
+    tables = saved_bundle_tables(tmp_path, perm, (3, 1))
+    model = fresh_qwen3()
+    w3 = model.base_model.layers[3].mlp.gate.weight.clone()
+    apply_expert_placement(model, tables)
+    expected = w3[tables.expert_permutation[0].long()]
+    assert torch.equal(model.base_model.layers[3].mlp.gate.weight, expected)
+    with pytest.raises(InputError, match="not MoE layers: \\[2\\]"):
+        apply_expert_placement(fresh_qwen3(), saved_bundle_tables(tmp_path, perm, (1, 2)))
 
 
 def test_errors():
