@@ -509,15 +509,25 @@ def _read_manifest(path: Path) -> dict[str, Any]:
             f"bundle {path}: manifest format is {manifest.get('format')!r}, expected {FORMAT!r}"
         )
     version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
+    if version != FORMAT_VERSION or type(version) is not int:
         raise SchemaError(
             f"bundle {path}: format_version {version!r} is not supported; this moeplan "
             f"reads version {FORMAT_VERSION} (re-export the plan with this moeplan)"
         )
     expected_types = {"model": dict, "files": dict, "ep_size": int, "ngram_order": int}
-    wrong = [k for k, t in expected_types.items() if not isinstance(manifest.get(k), t)]
+    wrong = [
+        k
+        for k, t in expected_types.items()
+        if not isinstance(manifest.get(k), t) or isinstance(manifest.get(k), bool)
+    ]
     if wrong:
         raise SchemaError(f"bundle {path}: manifest lacks or mistypes {', '.join(wrong)}")
+    # what a Bundle checks of its seed and metrics, here too so that verify agrees with load
+    seed = manifest.get("seed")
+    if seed is not None and (type(seed) is not int):
+        raise SchemaError(f"bundle {path}: manifest seed={seed!r} must be an integer or null")
+    if not isinstance(manifest.get("metrics") or {}, dict):
+        raise SchemaError(f"bundle {path}: manifest metrics must be a JSON object")
     return manifest
 
 
@@ -565,8 +575,34 @@ def _read_tables(path: Path) -> dict[str, np.ndarray]:
         raise SchemaError(
             f"bundle {path}: {TABLES_FILE} is not a readable safetensors file ({e})"
         ) from None
+    except (TypeError, AttributeError):  # a dtype numpy has no type for (bfloat16, float8)
+        odd = {
+            k: v
+            for k, v in _safetensors_dtypes(path / TABLES_FILE).items()
+            if v not in _NUMPY_DTYPES
+        }
+        raise SchemaError(
+            f"bundle {path}: {TABLES_FILE} holds tensors of dtypes numpy cannot read "
+            f"({', '.join(f'{k} is {v}' for k, v in odd.items()) or 'unknown'}); bundle "
+            "tables are int16 and float16"
+        ) from None
     # Own the memory: the loader may hand out views of a memory-mapped file.
     return {k: np.array(v, copy=True) for k, v in raw.items()}
+
+
+# safetensors dtype names numpy reads
+_NUMPY_DTYPES = {"BOOL", "U8", "I8", "U16", "I16", "F16", "U32", "I32", "F32", "U64", "I64", "F64"}
+
+
+def _safetensors_dtypes(file: Path) -> dict[str, str]:
+    """Tensor name -> dtype name from a safetensors header ({} if unreadable)."""
+    try:
+        with open(file, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(min(size, 1 << 24)))
+        return {k: str(v.get("dtype")) for k, v in header.items() if k != "__metadata__"}
+    except (OSError, ValueError, AttributeError):
+        return {}
 
 
 def _read_bundle_dir(path: Path) -> tuple[dict[str, Any], TraceMeta, dict[str, np.ndarray]]:
@@ -590,10 +626,6 @@ def load_bundle_arrays(path: str | os.PathLike) -> Bundle:
     """
     p = Path(path)
     manifest, meta, tables = _read_bundle_dir(p)
-    seed = manifest.get("seed")
-    metrics = manifest.get("metrics") or {}
-    if not isinstance(metrics, dict):
-        raise SchemaError(f"bundle {p}: manifest metrics must be a JSON object")
     try:
         return Bundle(
             meta=meta,
@@ -601,8 +633,8 @@ def load_bundle_arrays(path: str | os.PathLike) -> Bundle:
             ngram_order=manifest["ngram_order"],
             **tables,
             method=str(manifest.get("method") or ""),
-            seed=seed,
-            metrics=metrics,
+            seed=manifest.get("seed"),
+            metrics=manifest.get("metrics") or {},
             created_by=str(manifest.get("created_by") or ""),
         )
     except SchemaError as e:

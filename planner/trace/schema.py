@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 
 from planner.errors import SchemaError
@@ -53,7 +55,19 @@ class TraceMeta:
     def __post_init__(self) -> None:
         if not self.moe_layer_indices:
             object.__setattr__(self, "moe_layer_indices", tuple(range(self.num_layers)))
-        object.__setattr__(self, "moe_layer_indices", tuple(int(i) for i in self.moe_layer_indices))
+        indices = self.moe_layer_indices
+        if isinstance(indices, str) or not all(
+            isinstance(i, (int, np.integer)) and not isinstance(i, bool) and i >= 0 for i in indices
+        ):
+            raise SchemaError(f"moe_layer_indices {indices!r} must be non-negative integers")
+        object.__setattr__(self, "moe_layer_indices", tuple(int(i) for i in indices))
+        if any(b <= a for a, b in itertools.pairwise(self.moe_layer_indices)):
+            raise SchemaError(
+                f"moe_layer_indices {list(self.moe_layer_indices)} must increase (the model's "
+                "MoE layers in order)"
+            )
+        if not isinstance(self.model, str):
+            raise SchemaError(f"trace metadata model={self.model!r} must be a string")
         if self.schema_version != SCHEMA_VERSION:
             raise SchemaError(
                 f"trace schema_version {self.schema_version} is not supported (expected {SCHEMA_VERSION})"

@@ -216,6 +216,46 @@ def test_wrong_dtype_names_the_tensor(tmp_path, hand_bundle):
         load_bundle_arrays(path)
 
 
+def test_a_dtype_numpy_cannot_read_is_refused_in_one_line(tmp_path, hand_bundle):
+    # bfloat16 written by torch: safetensors' numpy loader raises TypeError on it
+    torch = pytest.importorskip("torch")
+    import safetensors.torch
+
+    path = save_bundle(hand_bundle, tmp_path / "b")
+    tables = {k: torch.from_numpy(np.array(v)) for k, v in
+              safetensors.numpy.load_file(path / "tables.safetensors").items()}  # fmt: skip
+    tables["token_confidence"] = tables["token_confidence"].to(torch.bfloat16)
+    safetensors.torch.save_file(tables, path / "tables.safetensors")
+    data = (path / "tables.safetensors").read_bytes()
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"]["tables.safetensors"]["sha256"] = hashlib.sha256(data).hexdigest()
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SchemaError, match="token_confidence is BF16.*int16 and float16"):
+        load_bundle_arrays(path)
+    report = verify_bundle(path)
+    assert not report["ok"] and "token_confidence is BF16" in report["error"]
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"seed": "0"}, "seed='0' must be an integer"),
+        ({"seed": 1.5}, "seed=1.5 must be an integer"),
+        ({"metrics": [1]}, "metrics must be a JSON object"),
+        ({"format_version": True}, "format_version True is not supported"),
+        ({"format_version": 1.0}, "format_version 1.0 is not supported"),
+        ({"ep_size": True}, "mistypes ep_size"),
+    ],
+)
+def test_verify_refuses_what_load_refuses(tmp_path, hand_bundle, changes, message):
+    path = save_bundle(hand_bundle, tmp_path / "b")
+    _edit_manifest(path, **changes)
+    with pytest.raises(SchemaError, match=message):
+        load_bundle_arrays(path)
+    report = verify_bundle(path)
+    assert not report["ok"] and message in report["error"]
+
+
 def test_capacity_violation_on_disk(tmp_path, hand_bundle):
     path = save_bundle(hand_bundle, tmp_path / "b")
     e2d = hand_bundle.expert_to_device.copy()

@@ -211,12 +211,16 @@ def test_a_saved_bundles_moe_layer_indices_are_used(tmp_path):
     # A real bundle keeps moe_layer_indices at the top of manifest.json: its rows go to those
     # model layers, and a bundle planned for other layers is refused.
     perm = np.stack([np.roll(np.arange(N_EXPERTS), 1), np.arange(N_EXPERTS)])
-    tables = saved_bundle_tables(tmp_path, perm, (3, 1))
+    tables = saved_bundle_tables(tmp_path, perm, (1, 3))
+    assert (
+        tables.manifest["moe_layer_indices"] == [1, 3]
+        and "moe_layer_indices" not in (tables.manifest["model"])
+    )
     model = fresh_qwen3()
-    w3 = model.base_model.layers[3].mlp.gate.weight.clone()
+    w1 = model.base_model.layers[1].mlp.gate.weight.clone()
     apply_expert_placement(model, tables)
-    expected = w3[tables.expert_permutation[0].long()]
-    assert torch.equal(model.base_model.layers[3].mlp.gate.weight, expected)
+    expected = w1[tables.expert_permutation[0].long()]
+    assert torch.equal(model.base_model.layers[1].mlp.gate.weight, expected)
     with pytest.raises(InputError, match="not MoE layers: \\[2\\]"):
         apply_expert_placement(fresh_qwen3(), saved_bundle_tables(tmp_path, perm, (1, 2)))
 

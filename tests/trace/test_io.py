@@ -137,6 +137,12 @@ def test_ids_and_shapes_must_agree_with_metadata(tmp_path, small_meta):
         ({"top_k": 9}, "exceeds num_experts"),
         ({"num_layers": 0}, "positive integer"),
         ({"moe_layer_indices": (0, 1)}, "moe_layer_indices has 2"),
+        ({"moe_layer_indices": (3, 1, 5)}, "must increase"),
+        ({"moe_layer_indices": (1, 1, 5)}, "must increase"),
+        ({"moe_layer_indices": (-1, 1, 5)}, "non-negative integers"),
+        ({"moe_layer_indices": (0.5, 1, 5)}, "non-negative integers"),
+        ({"moe_layer_indices": ("0", "1", "2")}, "non-negative integers"),
+        ({"model": 7}, "model=7 must be a string"),
         ({"schema_version": 2}, "not supported"),
     ],
 )
