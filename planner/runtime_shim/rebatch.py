@@ -153,6 +153,19 @@ def _use_triton(x: torch.Tensor, backend: str) -> bool:
     return backend == "triton"
 
 
+def _differentiable(x: torch.Tensor, out: torch.Tensor | None) -> bool:
+    """Whether autograd records ops on ``x`` (then the gathers take torch's differentiable
+    path whatever the backend: the Triton kernel and ``out=`` have no backward)."""
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return False
+    if out is not None:
+        raise InputError(
+            "out= cannot be used with a tensor that requires grad (no backward writes into "
+            "a preallocated buffer); drop out=, or run under torch.no_grad()"
+        )
+    return True
+
+
 def _check_out(out: torch.Tensor | None, shape: tuple[int, int], like: torch.Tensor) -> None:
     if out is None:
         return
@@ -174,6 +187,8 @@ def apply_rebatch(
 
     Use it to rebatch several tensors with one plan (e.g. hidden states and residuals).
     ``out`` is an optional preallocated [E * C, H] buffer of hidden's dtype and device.
+    A ``hidden`` that requires grad (grad mode on) takes torch's differentiable gather
+    whatever the backend, and refuses ``out``.
     """
     if hidden.ndim != 2 or hidden.shape[0] != info.num_tokens:
         raise InputError(
@@ -183,6 +198,9 @@ def apply_rebatch(
     shape = (info.padded_rows, hidden.shape[1])
     _check_out(out, shape, hidden)
     index = info.slot_to_token.to(hidden.device)
+    if _differentiable(hidden, out):
+        padding = (index < 0).unsqueeze(1)
+        return hidden.index_select(0, index.clamp(min=0)).masked_fill(padding, 0)
     if _use_triton(hidden, backend):
         return kernels.gather_rows(hidden.contiguous(), index, out, check_index=False)
 
@@ -247,6 +265,7 @@ def resume(
     """Invert :func:`rebatch`: [E * C, H] -> [T, H] in the original row order.
 
     ``out`` is an optional preallocated [T, H] buffer of shuffled's dtype and device.
+    Tensors that require grad are handled as in :func:`apply_rebatch`.
     """
     if shuffled.ndim != 2 or shuffled.shape[0] != info.padded_rows:
         raise InputError(
@@ -256,7 +275,7 @@ def resume(
     shape = (info.num_tokens, shuffled.shape[1])
     _check_out(out, shape, shuffled)
     index = info.token_to_slot.to(shuffled.device)
-    if _use_triton(shuffled, backend):
+    if _use_triton(shuffled, backend) and not _differentiable(shuffled, out):
         return kernels.gather_rows(shuffled.contiguous(), index, out, check_index=False)
     if out is None:
         return shuffled.index_select(0, index)

@@ -102,6 +102,29 @@ def test_empty_batch():
     assert resume(padded, info).shape == (0, 3)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gradients_flow_through_rebatch_and_resume(backend):
+    # inside a model's forward with grad on: the torch path's out= gather has no backward
+    # and the kernel none at all, so both take the differentiable gather
+    weight, x = torch.randn(3, 3, requires_grad=True), torch.randn(6, 3)
+    hidden = x @ weight
+    devices = torch.tensor([1, 0, 1, 3, 3, 3])
+    shuffled, info = rebatch(hidden, devices, 4, backend=backend)
+    assert shuffled.requires_grad
+    assert torch.equal(shuffled.detach(), rebatch(hidden.detach(), devices, 4)[0])
+    scale = torch.arange(shuffled.shape[0], dtype=torch.float32)[:, None]
+    back = resume(shuffled * scale, info, backend=backend)
+    back.sum().backward()
+    # the sum weighs hidden[t] by the scale of the shuffled row token t went to
+    expected = x.T @ scale[info.token_to_slot].expand(6, 3)
+    torch.testing.assert_close(weight.grad, expected)
+    with pytest.raises(InputError, match="out= cannot be used with a tensor that requires grad"):
+        rebatch(hidden, devices, 4, out=torch.empty(12, 3))
+    with torch.no_grad():  # no grad recorded: the out= path as before
+        out = torch.empty(12, 3)
+        assert rebatch(hidden, devices, 4, backend="torch", out=out)[0] is out
+
+
 @pytest.mark.parametrize(
     ("devices", "ep", "chunk_rows", "match"),
     [
