@@ -63,19 +63,30 @@ def _group_shape(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
+# A prime below 2**31: products of a residue and a small device id fit in int64.
+_HASH_PRIME = 2**31 - 1
+
+
 def _verify_same_devices(devices: torch.Tensor, group) -> None:
-    """Raise MismatchError unless every rank passed the same ``devices``."""
-    d = devices.to(torch.int64)
-    weights = torch.arange(1, d.numel() + 1, dtype=torch.int64, device=d.device)
-    # Length and two position-weighted checksums: equal on every rank iff min == max.
-    probe = torch.stack([torch.tensor(d.numel(), device=d.device), d.sum(), (d * weights).sum()])
+    """Raise MismatchError unless every rank passed the same ``devices``.
+
+    Compares the length and two hashes ``sum_i (d_i + 1) r_i mod P`` with pseudo-random
+    weights ``r`` drawn from one fixed seed (the same on every rank): two different device
+    lists agree on both with probability about 1/P**2 (plain or position-weighted sums miss
+    swaps such as [0, 1, 1, 0] against [1, 0, 0, 1]).
+    """
+    d = devices.to(torch.int64).reshape(-1)
+    generator = torch.Generator().manual_seed(0x5EED)
+    weights = torch.randint(1, _HASH_PRIME, (2, d.numel()), generator=generator)
+    hashes = ((d + 1) * weights.to(d.device) % _HASH_PRIME).sum(dim=1) % _HASH_PRIME
+    probe = torch.cat([torch.tensor([d.numel()], device=d.device), hashes])
     lo, hi = probe.clone(), probe.clone()
     dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
     dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
     if not torch.equal(lo, hi):
         raise MismatchError(
             "ranks passed different `devices` to shuffled_reduce_scatter "
-            f"(length/checksums range from {lo.tolist()} to {hi.tolist()}); every rank must "
+            f"(length/hashes range from {lo.tolist()} to {hi.tolist()}); every rank must "
             "route the same token ids with the same tables"
         )
 

@@ -96,12 +96,15 @@ def check_mismatch(rank: int) -> None:
     from planner.errors import MismatchError
     from planner.runtime_shim.collectives import shuffled_reduce_scatter
 
-    devices = torch.tensor([0, 1, 2, 3, rank % WORLD])  # differs across ranks
-    try:
-        shuffled_reduce_scatter(torch.zeros(5, 2), devices, verify_devices=True)
-    except MismatchError:
-        return
-    raise AssertionError("verify_devices=True did not raise MismatchError")
+    # differs across ranks: in one token, then by a swap that keeps the length, the sum
+    # and the position-weighted sum (0*a + 1*b + 2*b + 3*a is 3(a + b) either way)
+    a, b = (0, 1) if rank % 2 == 0 else (1, 0)
+    for devices in (torch.tensor([0, 1, 2, 3, rank % WORLD]), torch.tensor([a, b, b, a])):
+        try:
+            shuffled_reduce_scatter(torch.zeros(devices.numel(), 2), devices, verify_devices=True)
+        except MismatchError:
+            continue
+        raise AssertionError(f"verify_devices=True did not raise MismatchError for {devices}")
 
 
 def run_rank(rank: int, port: int, out_dir: str) -> None:
