@@ -75,6 +75,7 @@ from typing import Any
 
 import numpy as np
 
+from planner._checks import is_integer
 from planner._io import write_bytes_atomic
 from planner.errors import InputError, SchemaError
 from planner.export.bundle import Bundle, permutation_from_placement
@@ -111,7 +112,7 @@ class EnginePlacement:
             )
         big_l, n = perm.shape
         e = self.ep_size
-        if not isinstance(e, int) or e <= 0 or n % e:
+        if not is_integer(e) or e <= 0 or n % e:
             raise SchemaError(f"num_experts={n} is not divisible by ep_size={e!r}")
         # Each row must be a permutation; the placement it implies is then consistent.
         not_perm = np.flatnonzero((np.sort(perm, axis=1) != np.arange(n)).any(axis=1))

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from planner._checks import is_integer
 from planner.errors import InputError, MismatchError, ModelError
 from planner.profile.routers import ADAPTERS, find_routers
 
@@ -265,9 +266,7 @@ def apply_expert_placement(
     if (
         not isinstance(moe_layer_indices, Sequence)
         or isinstance(moe_layer_indices, str)
-        or not all(
-            isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in moe_layer_indices
-        )
+        or not all(is_integer(i) for i in moe_layer_indices)
     ):
         raise InputError(f"moe_layer_indices must be a list of integers, got {moe_layer_indices!r}")
     layers = [int(i) for i in moe_layer_indices]

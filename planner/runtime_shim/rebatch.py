@@ -33,6 +33,7 @@ from typing import Literal
 
 import torch
 
+from planner._checks import is_integer
 from planner.errors import InputError
 from planner.runtime_shim import kernels
 
@@ -99,8 +100,9 @@ def plan_rebatch(devices: torch.Tensor, ep_size: int, chunk_rows: int | None = N
     Returns:
         RebatchInfo with tensors on ``devices``' device.
     """
-    if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1:
+    if not is_integer(ep_size) or ep_size < 1:
         raise InputError(f"ep_size must be a positive integer, got {ep_size!r}")
+    ep_size = int(ep_size)
     devices = torch.as_tensor(devices)
     if devices.ndim != 1:
         raise InputError(f"devices must be a 1-D tensor [T], got shape {tuple(devices.shape)}")
@@ -121,11 +123,14 @@ def plan_rebatch(devices: torch.Tensor, ep_size: int, chunk_rows: int | None = N
             raise InputError(f"device id {bad} outside [0, {ep_size}) (ep_size={ep_size})")
     if chunk_rows is None:
         chunk_rows = largest
-    elif not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < largest:
+    elif not is_integer(chunk_rows):
+        raise InputError(f"chunk_rows must be an integer or None, got {chunk_rows!r}")
+    elif chunk_rows < largest:
         raise InputError(
             f"chunk_rows={chunk_rows!r} is smaller than the largest device group ({largest} "
             "tokens); pass chunk_rows >= that, or None to use it"
         )
+    chunk_rows = int(chunk_rows)
 
     # Stable sort keeps each device's tokens in their original order. index_select and
     # scatter_ rather than t[idx] indexing: on CPU the latter starts a parallel region even

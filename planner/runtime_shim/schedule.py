@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from planner._checks import is_integer
 from planner.errors import InputError, MismatchError
 from planner.trace.io import Trace, open_trace
 
@@ -44,11 +45,11 @@ def _layers(tables: Any, layer: LayerSpec) -> list[int]:
     big_l = int(tables.num_layers)
     if layer is None:
         layers = list(range(big_l))
-    elif isinstance(layer, int | np.integer):
+    elif is_integer(layer):
         layers = [layer]
     else:
-        layers = list(layer)
-    if not layers or any(not isinstance(i, int | np.integer) or not 0 <= i < big_l for i in layers):
+        layers = list(layer) if isinstance(layer, Iterable) and not isinstance(layer, str) else []
+    if not layers or any(not is_integer(i) or not 0 <= i < big_l for i in layers):
         raise InputError(f"layer={layer!r} must be MoE layer(s) in [0, {big_l}), or None for all")
     return [int(i) for i in layers]
 
@@ -78,7 +79,10 @@ class _TokenScorer:
             self.weight = np.ones(self.device.shape)
 
     def __call__(self, token_ids: np.ndarray) -> np.ndarray:
-        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        ids = np.asarray(_np(token_ids))
+        if ids.size and ids.dtype.kind not in "iu":
+            raise InputError(f"token ids must be integers, got dtype {ids.dtype}")
+        ids = ids.astype(np.int64).reshape(-1)
         if ids.size and (ids.max() >= self.vocab or ids.min() < -1):
             bad = ids.max() if ids.max() >= self.vocab else ids.min()
             raise InputError(f"token id {bad} outside [-1, {self.vocab}) (vocab_size)")
@@ -282,6 +286,8 @@ def evaluate_schedule(
         A :class:`ScheduleReport`; ``lar`` fields only for a trace.
     """
     _check_dp(tables, dp_size)
+    if not is_integer(batch_rows) or batch_rows < 1:
+        raise InputError(f"batch_rows must be a positive integer, got {batch_rows!r}")
     layers = _layers(tables, layer)
     scorer = _TokenScorer(tables, layers, weighting)
     if isinstance(source, str | os.PathLike):

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from planner._checks import is_integer
 from planner.errors import InfeasibleError, InputError
 from planner.export.bundle import (
     MANIFEST_FILE,
@@ -73,9 +74,9 @@ def balanced_capacity(batch_tokens: int, ep_size: int, slack: float = DEFAULT_SL
 
     Computed in exact rational arithmetic (``1.1 * 80 / 8`` is 11, not 12).
     """
-    if batch_tokens < 0 or ep_size <= 0 or slack < 1:
+    if batch_tokens < 0 or ep_size <= 0 or not 1 <= slack < math.inf:
         raise InputError(
-            f"balanced_capacity needs batch_tokens >= 0, ep_size > 0, slack >= 1; got "
+            f"balanced_capacity needs batch_tokens >= 0, ep_size > 0, finite slack >= 1; got "
             f"{batch_tokens}, {ep_size}, {slack}"
         )
     return math.ceil(Fraction(str(slack)) * batch_tokens / ep_size)
@@ -156,9 +157,12 @@ def assign_with_capacity(
             f"device and confidence must both be [T] or [R, T]; got {list(dev.shape)} and "
             f"{list(conf.shape)}"
         )
-    e, c = int(num_devices), int(capacity)
-    if e <= 0 or c < 0:
-        raise InputError(f"need num_devices > 0 and capacity >= 0, got {e} and {c}")
+    if not (is_integer(num_devices) and is_integer(capacity)) or num_devices <= 0 or capacity < 0:
+        raise InputError(
+            f"need integers num_devices > 0 and capacity >= 0, got {num_devices!r} and {capacity!r}"
+        )
+    # a capacity of a whole row never binds (and a huge one would overflow int64 below)
+    e, c = int(num_devices), min(int(capacity), int(dev.shape[-1]))
     _check_device_ids(dev, e, "device")
     alt = alt_conf = None
     if (second is None) != (second_confidence is None):
@@ -427,7 +431,7 @@ class PlanTables:
         prev: torch.Tensor | None,
         validate: bool,
     ) -> torch.Tensor:
-        if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+        if not is_integer(layer) or not 0 <= layer < self.num_layers:
             raise InputError(f"layer={layer!r} outside [0, {self.num_layers}) MoE layers")
         if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1:
             raise InputError("token_ids must be a 1-D integer tensor [T]")

@@ -19,9 +19,9 @@ import itertools
 import json
 from dataclasses import dataclass
 
-import numpy as np
 import pyarrow as pa
 
+from planner._checks import is_integer
 from planner.errors import SchemaError
 
 SCHEMA_VERSION = 1
@@ -56,9 +56,7 @@ class TraceMeta:
         if not self.moe_layer_indices:
             object.__setattr__(self, "moe_layer_indices", tuple(range(self.num_layers)))
         indices = self.moe_layer_indices
-        if isinstance(indices, str) or not all(
-            isinstance(i, (int, np.integer)) and not isinstance(i, bool) and i >= 0 for i in indices
-        ):
+        if isinstance(indices, str) or not all(is_integer(i) and i >= 0 for i in indices):
             raise SchemaError(f"moe_layer_indices {indices!r} must be non-negative integers")
         object.__setattr__(self, "moe_layer_indices", tuple(int(i) for i in indices))
         if any(b <= a for a, b in itertools.pairwise(self.moe_layer_indices)):

@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
+from planner._checks import is_integer
 from planner._io import atomic_path
 from planner.errors import InputError
 from planner.trace.io import TraceBatch, open_trace
@@ -116,11 +117,11 @@ class SynthConfig:
         for name in ("num_layers", "num_experts", "top_k", "vocab_size", "num_tokens",
                      "num_requests", "num_domains"):  # fmt: skip
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if not is_integer(value) or value < 1:
                 raise InputError(f"synth: {name}={value!r} must be a positive integer")
         for name in ("seed", "first_moe_layer"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 0:
+            if not is_integer(value) or value < 0:
                 raise InputError(f"synth: {name}={value!r} must be a non-negative integer")
         if self.top_k > self.num_experts:
             raise InputError(
@@ -169,10 +170,6 @@ class SynthConfig:
         if unknown:
             raise InputError(f"synth: unknown config field(s) {', '.join(unknown)}")
         return cls(**d)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 def _is_real(value: object) -> bool:
@@ -424,7 +421,7 @@ class SynthGenerator:
         ``layer_correlation=0`` every occurrence of a token routes to exactly this set.
         """
         c = self.config
-        if not _is_int(layer) or not 0 <= layer < c.num_layers:
+        if not is_integer(layer) or not 0 <= layer < c.num_layers:
             raise InputError(f"synth: layer {layer!r} outside [0, {c.num_layers})")
         token_ids = np.asarray(token_ids)
         if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= c.vocab_size):
@@ -510,7 +507,7 @@ class SynthGenerator:
         Rows are deterministic given the config (whatever ``batch_rows``); each batch carries
         ``extras["domain"]`` [T] int32, the domain of each row's request.
         """
-        if not _is_int(batch_rows) or batch_rows < 1:
+        if not is_integer(batch_rows) or batch_rows < 1:
             raise InputError(f"synth: batch_rows={batch_rows!r} must be a positive integer")
         num_chunks = -(-self.config.num_tokens // _CHUNK_ROWS)
         pending: TraceBatch | None = None
@@ -544,7 +541,7 @@ def synthesize(
     ``overwrite=True``.
     """
     out = Path(out)
-    if not _is_int(rows_per_part) or rows_per_part < 1:
+    if not is_integer(rows_per_part) or rows_per_part < 1:
         raise InputError(f"synth: rows_per_part={rows_per_part!r} must be a positive integer")
     if out.exists() and not overwrite:
         raise InputError(f"{out}: already exists; choose another path or pass overwrite (--force)")

@@ -133,6 +133,8 @@ def test_gradients_flow_through_rebatch_and_resume(backend):
         ([0.0, 1.0], 2, None, "integers"),
         ([0, 0, 1], 2, 1, "chunk_rows=1 is smaller than the largest device group"),
         ([0, 1], 0, None, "ep_size must be a positive integer"),
+        ([0, 1], True, None, "ep_size must be a positive integer"),
+        ([0, 0, 1], 2, 2.0, "chunk_rows must be an integer or None"),
     ],
 )
 def test_bad_plans_raise_input_error(devices, ep, chunk_rows, match):

@@ -130,4 +130,10 @@ def test_errors():
         schedule_requests([[10]], tables, dp_size=2)
     with pytest.raises(InputError, match="weighting"):
         request_device_scores([[0]], tables, weighting="tf-idf")
+    with pytest.raises(InputError, match="token ids must be integers, got dtype float64"):
+        schedule_requests([np.array([1.7, 2.2])], tables, dp_size=2)
+    with pytest.raises(InputError, match="layer=True"):
+        schedule_requests([[0]], tables, dp_size=2, layer=True)
+    with pytest.raises(InputError, match="batch_rows must be a positive integer"):
+        evaluate_schedule([[0]], tables, dp_size=2, batch_rows=0)
     assert schedule_requests([], tables, dp_size=2).shape == (0,)

@@ -262,6 +262,12 @@ def test_capacity_refuses_bad_arguments():
         assign_with_capacity(np.array([0, 1]), np.zeros(2), 2, 3, np.array([3, 0]), np.zeros(2))
     with pytest.raises(InputError, match="shape of device"):
         assign_with_capacity(np.array([0, 1]), np.zeros(2), 2, 3, np.array([1]), np.zeros(1))
+    for capacity in (2.9, "3", True):  # not truncated or parsed
+        with pytest.raises(InputError, match="need integers num_devices > 0 and capacity"):
+            assign_with_capacity(np.array([0, 1]), np.zeros(2), capacity, 3)
+    # a capacity beyond the row never binds, however large (2**63 - 1 overflowed int64)
+    out = assign_with_capacity(np.array([0, 0, 1]), np.zeros(3), 2**63 - 1, 3)
+    assert out.tolist() == [0, 0, 1]
 
 
 def test_balanced_capacity_is_exact():
@@ -271,6 +277,9 @@ def test_balanced_capacity_is_exact():
     assert balanced_capacity(0, 8) == 0
     with pytest.raises(InputError):
         balanced_capacity(10, 0)
+    for slack in (float("nan"), float("inf")):
+        with pytest.raises(InputError, match="finite slack"):
+            balanced_capacity(10, 2, slack)
 
 
 # ---------------------------------------------------------------------------------------
@@ -382,6 +391,9 @@ def test_route_refuses_bad_arguments(tables):
     ids = torch.tensor([0, 1])
     with pytest.raises(InputError, match="layer=4 outside"):
         tables.route(ids, 4)
+    for layer in (True, False, 1.0):  # bools are ints to Python, floats are not layers
+        with pytest.raises(InputError, match=f"layer={layer!r} outside"):
+            tables.route(ids, layer)
     with pytest.raises(InputError, match="token id 20 outside"):
         tables.route(torch.tensor([0, 20]), 0)
     with pytest.raises(InputError, match="token id -1 outside"):
