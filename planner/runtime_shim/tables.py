@@ -318,7 +318,7 @@ class PlanTables:
     ) -> PlanTables:
         """Tables of an in-memory bundle on ``device`` (``manifest`` defaults to its own)."""
         tensors = {
-            name: torch.from_numpy(np.array(arr, copy=True)).to(device)
+            name: _to_device(torch.from_numpy(np.array(arr, copy=True)), device)
             for name, arr in bundle.tables().items()
         }
         return cls(
@@ -337,7 +337,7 @@ class PlanTables:
 
     def to(self, device: torch.device | str) -> PlanTables:
         """The same tables on another device."""
-        moved = {name: getattr(self, name).to(device) for name in TENSORS}
+        moved = {name: _to_device(getattr(self, name), device) for name in TENSORS}
         return PlanTables(
             **moved,
             ep_size=self.ep_size,
@@ -458,6 +458,15 @@ class PlanTables:
                         f"prev_top1_experts holds expert {bad}, outside [0, {self.num_experts})"
                     )
         return ids
+
+
+def _to_device(x: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
+    """``x.to(device)``; a device this torch cannot use (no CUDA build, a bad name) is one
+    InputError line rather than torch's AssertionError or RuntimeError."""
+    try:
+        return x.to(device)
+    except (AssertionError, RuntimeError) as e:
+        raise InputError(f"cannot put the plan tables on device {device!r}: {e}") from None
 
 
 def load_bundle(path: str | os.PathLike, device: torch.device | str | None = None) -> PlanTables:

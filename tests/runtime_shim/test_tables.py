@@ -123,6 +123,11 @@ def test_load_bundle_keeps_tables_exact(tmp_path):
     assert tables.manifest["fingerprint"] == META.fingerprint()
     assert "sha256" in tables.manifest["files"]["tables.safetensors"]  # the one on disk
     assert tables.device == torch.device("cpu")
+    with pytest.raises(InputError, match="cannot put the plan tables on device 'nonsense'"):
+        load_bundle(tmp_path / "b", device="nonsense")
+    if not torch.cuda.is_available():  # a CPU build: torch's own AssertionError before
+        with pytest.raises(InputError, match="cannot put the plan tables on device 'cuda'"):
+            load_bundle(tmp_path / "b", device="cuda")
 
 
 # ---------------------------------------------------------------------------------------
