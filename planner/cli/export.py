@@ -76,8 +76,9 @@ def export(
 ) -> None:
     """Write a plan as a moeplan bundle (int16 tables) and/or serving-engine placement files.
 
-    With `moeplan` among the formats, OUT is a bundle directory that also holds each engine
-    file. With a single engine format alone, OUT is that one file.
+    With `moeplan` among the formats, or with several engine formats, OUT is a bundle
+    directory that also holds each engine file. With a single engine format alone, OUT is
+    that one file.
     """
     if verify:
         report = verify_bundle(plan)

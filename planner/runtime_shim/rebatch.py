@@ -153,8 +153,8 @@ def plan_rebatch(devices: torch.Tensor, ep_size: int, chunk_rows: int | None = N
 def _use_triton(x: torch.Tensor, backend: str) -> bool:
     if backend not in BACKENDS:
         raise InputError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return kernels.HAS_TRITON and x.is_cuda
+    if backend == "auto":  # the kernel moves floating rows; integer ones take torch's gather
+        return kernels.HAS_TRITON and x.is_cuda and x.is_floating_point()
     return backend == "triton"
 
 
@@ -239,7 +239,7 @@ def rebatch(
         devices: [T] integer destination device of each row, in [0, ep_size).
         ep_size: E.
         chunk_rows: rows per device chunk, default the largest group (see module docstring).
-        backend: "auto" (Triton kernel on CUDA tensors when triton imports, else torch),
+        backend: "auto" (Triton kernel on floating CUDA tensors when triton imports, else torch),
             "triton" or "torch".
         out: optional preallocated [E * C, H] output.
 

@@ -158,3 +158,12 @@ def test_shape_mismatches_raise_input_error():
         rebatch(x, torch.tensor([0, 1, 0]), 2, backend="cuda")
     with pytest.raises(InputError, match="device 5 outside"):
         info.chunk_tokens(5)
+
+
+@pytest.mark.gpu
+def test_auto_backend_moves_integer_rows_on_cuda():
+    # the Triton kernel moves floating rows only: "auto" sends integer ones to torch's gather
+    x = torch.arange(12, device="cuda").reshape(6, 2)
+    devices = torch.tensor([1, 0, 1, 3, 3, 3], device="cuda")
+    shuffled, info = rebatch(x, devices, 4)
+    assert torch.equal(resume(shuffled, info), x)
