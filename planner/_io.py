@@ -45,6 +45,8 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
             os.replace(dest, backup)
             os.replace(tmp, dest)
             shutil.rmtree(backup)
+        elif tmp.is_dir() and dest.exists():
+            raise InputError(f"{dest}: exists and is a file; a directory cannot replace it")
         else:
             os.replace(tmp, dest)
     finally:

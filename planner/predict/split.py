@@ -173,8 +173,15 @@ def split_trace_by_domain(
 
 def _write_sides(trace, fit_out, heldout_out, heldout_mask) -> dict:
     """Stream ``trace`` into a fitting and a held-out trace by ``heldout_mask(batch)`` [T] bool."""
-    if Path(fit_out).resolve() == Path(heldout_out).resolve():
+    fit_at, held_at = Path(fit_out).resolve(), Path(heldout_out).resolve()
+    if fit_at == held_at:
         raise InputError(f"--fit-out and --heldout-out are both {fit_out}; give two paths")
+    if fit_at in held_at.parents or held_at in fit_at.parents:
+        # the outer trace's commit would replace the inner one (or find it gone)
+        raise InputError(
+            f"--fit-out {fit_out} and --heldout-out {heldout_out} are nested; give two "
+            "separate paths"
+        )
     for out in (fit_out, heldout_out):
         check_output(out, marker="part-*.parquet", what="trace", inputs=(trace.path,))
     counts = {"fit": 0, "heldout": 0}

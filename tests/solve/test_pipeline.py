@@ -269,6 +269,10 @@ def test_outputs_never_replace_inputs_or_other_directories(pipeline, tmp_path, c
           str(tmp_path / "h")], "reads its input"),
         (["trace", "split", str(d / "fit"), "--fit-out", str(tmp_path / "f"), "--heldout-out",
           str(tmp_path / "f")], "give two paths"),
+        (["trace", "split", str(d / "fit"), "--fit-out", str(tmp_path / "f"), "--heldout-out",
+          str(tmp_path / "f" / "h")], "are nested"),
+        (["trace", "split", str(d / "fit"), "--fit-out", str(tmp_path / "f" / "g"),
+          "--heldout-out", str(tmp_path / "f")], "are nested"),
         (["trace", "split", str(d / "fit"), "--fit-out", str(mine), "--heldout-out",
           str(tmp_path / "h")], "not a trace"),
     ]  # fmt: skip
