@@ -288,6 +288,8 @@ def _fit_counts(path: Path, config: FitConfig) -> FitResult:
         }
     else:
         fit = counts
+    if not fit.load().sum() > 0:
+        raise InputError(f"{path}: no routed activations to fit on (every count is 0)")
     distribution = DistributionPredictor(config.distribution_momentum).partial_fit(fit.load())
     affinity, neural, timings = _fit_components(fit, config)
     fit_info = {

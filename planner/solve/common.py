@@ -165,7 +165,7 @@ def assign_tokens(
     token_to_device[free] = gain[free].argmax(axis=1)
     busy = np.flatnonzero(~free)
     charge(effort, "assign", entries=num_tokens * e)
-    if exact and busy.size * e <= _EXACT_ENTRIES and np.isfinite(room).all():
+    if exact and 0 < busy.size * e <= _EXACT_ENTRIES and np.isfinite(room).all():
         charge(effort, "assign_exact")
         solved = _assign_exact(gain[busy], freq[busy], room)
         if solved is not None:
@@ -681,7 +681,7 @@ def token_confidence(
 ) -> np.ndarray:
     """[J] share of each token's activations that are local on its device, in [0, 1]."""
     total = problem.token_activations
-    local = gain[np.arange(token_to_device.size), token_to_device]
+    local = gain[np.arange(token_to_device.size), token_to_device].astype(np.float64)
     return np.divide(local, total, out=np.zeros_like(local), where=total > 0).clip(0.0, 1.0)
 
 

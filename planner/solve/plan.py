@@ -42,7 +42,7 @@ from planner.solve.ceo import model_layer_effort
 from planner.solve.chain import chain_polish
 from planner.solve.ngram_term import NgramTerm, restrict
 from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig
-from planner.solve.registry import get_solver
+from planner.solve.registry import get_solver, solve_layer
 
 PLAN_FORMAT = "moeplan-plan"
 PLAN_FORMAT_VERSION = 1
@@ -80,7 +80,7 @@ def _model_budget(config: SolverConfig, method: str, num_layers: int) -> SolverC
 
 def _solve_one(args: tuple[LayerProblem, str, SolverConfig]) -> LayerPlacement:
     problem, method, config = args
-    return get_solver(method)(problem, config)
+    return solve_layer(problem, method, config)
 
 
 def solve_model(

@@ -6,6 +6,7 @@ options (``SolverConfig.options[name]``); the shared test suite runs over this r
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from planner.errors import InputError
@@ -47,6 +48,16 @@ def get_solver(method: str) -> Solver:
 def solve_layer(
     problem: LayerProblem, method: str, config: SolverConfig | None = None
 ) -> LayerPlacement:
-    """Solve one layer with the named method (validated result)."""
+    """Solve one layer with the named method (validated result).
+
+    A layer with no token load to place (e.g. a trace whose tokens are all unknown: only
+    load-free n-gram context rows, or none) gets the default deployment whatever the
+    method: there is nothing to balance, and the solvers' searches need some load.
+    """
     solver = get_solver(method)
-    return solver(problem, config if config is not None else SolverConfig())
+    config = config if config is not None else SolverConfig()
+    if problem.total_freq <= 0:
+        placement = SOLVERS["vanilla"](problem, config)
+        note = "no token load in this layer: the default deployment"
+        return dataclasses.replace(placement, method=method, info={"degenerate": note})
+    return solver(problem, config)

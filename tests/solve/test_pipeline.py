@@ -16,7 +16,7 @@ from planner.predict.fit import FitConfig, fit_predictor
 from planner.predict.split import RequestSplit, split_trace
 from planner.solve.pipeline import PlanConfig, make_plan
 from planner.solve.plan import Plan
-from planner.trace import open_trace
+from planner.trace import TraceBatch, open_trace, write_trace
 from planner.trace.synth import SynthConfig, synthesize
 
 # Strong planted affinity: a good plan keeps most activations local.
@@ -285,3 +285,42 @@ def test_outputs_never_replace_inputs_or_other_directories(pipeline, tmp_path, c
     assert not (tmp_path / "f").exists() and not (tmp_path / "h").exists()
     # an earlier output of the same kind is still replaced
     assert main(["solve", str(pred), "--ep", "2", "--method", "kmeans", "--out", str(plan)]) == 0
+
+
+def test_a_trace_of_unknown_tokens_plans_with_every_method(pipeline, tmp_path, capsys):
+    """Every token id -1 (a tokenizer the trace did not record): no token rows to place, but
+    the n-gram tables still fit. Every method then gives the default deployment, no error."""
+    d, path, _, _ = pipeline
+    trace = open_trace(path)
+    batch = trace.read_all()
+    unknown = TraceBatch.from_arrays(
+        batch.request_id, batch.position, np.full(len(batch), -1), batch.experts, batch.weights
+    )
+    write_trace(tmp_path / "unk", trace.meta, unknown)
+    assert main(["fit", str(tmp_path / "unk"), "--out", str(tmp_path / "pred")]) == 0
+    for method in ("ceo", "metis", "kmeans", "alternating", "ilp", "vanilla"):
+        out = tmp_path / f"plan-{method}"
+        args = ["solve", str(tmp_path / "pred"), "--ep", "2", "--method", method]
+        assert main([*args, "--out", str(out), "--jobs", "1", "--json"]) == 0, method
+        reports = Plan.load(out).reports
+        assert all(r["method"] == method for r in reports)
+        assert "no token load" in reports[0]["info"]["degenerate"]
+    capsys.readouterr()
+    assert main(["evaluate", str(tmp_path / "plan-ceo"), str(tmp_path / "unk"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["overall"]["lar"] > 0
+
+
+def test_fit_refuses_a_counts_table_of_zeros(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    meta = {"schema": "counts", "schema_version": 1, "num_layers": 1, "num_experts": 4,
+            "top_k": 1, "vocab_size": 10}  # fmt: skip
+    table = pa.table({
+        "layer": pa.array([0, 0], pa.int16()), "token_id": pa.array([1, 2], pa.int32()),
+        "expert": pa.array([0, 3], pa.int16()), "count": pa.array([0, 0], pa.int64()),
+    }).replace_schema_metadata({b"moeplan": json.dumps(meta).encode()})  # fmt: skip
+    pq.write_table(table, tmp_path / "zeros.parquet")
+    assert main(["fit", str(tmp_path / "zeros.parquet"), "--out", str(tmp_path / "p")]) == 2
+    assert "no routed activations to fit on" in capsys.readouterr().err
+    assert not (tmp_path / "p").exists()
