@@ -40,9 +40,11 @@ def _root(
 
 # Summaries go to stdout; progress bars and warnings to stderr.
 # Piped output (CI logs, `| tee`) gets a wide fixed width instead of rich's 80 columns, so
-# tables are not truncated.
-console = Console() if Console().is_terminal else Console(width=160)
-err_console = Console(stderr=True)
+# tables are not truncated. No console markup: what is printed holds users' paths and model
+# names, and "runs[v2]/t" must print as it is, not lose "[v2]" or fail as bad markup.
+# Colour goes through Text styles instead.
+console = Console(markup=False) if Console().is_terminal else Console(width=160, markup=False)
+err_console = Console(stderr=True, markup=False)
 
 
 def typed(ctx: typer.Context, name: str) -> bool:

@@ -6,6 +6,7 @@ import json
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from planner._io import check_output
 from planner.cli.app import app, console, err_console
@@ -34,10 +35,10 @@ def _verify_table(report: dict) -> Table:
     table = Table(title=f"bundle {report['path']}", show_header=False, title_justify="left")
     table.add_column("field", style="bold")
     table.add_column("value")
-    table.add_row(
-        "verified",
-        "[green]ok[/green]" if report["ok"] else f"[red]FAILED[/red] {report['error'] or ''}",
-    )
+    verdict = Text("ok", style="green") if report["ok"] else Text("FAILED", style="red")
+    if not report["ok"]:
+        verdict.append(f" {report['error'] or ''}")
+    table.add_row("verified", verdict)
     if report.get("model"):
         m = report["model"]
         table.add_row(
@@ -163,9 +164,12 @@ def evaluate(
         check_plot_path(plot)
     bundle = load_tables(plan)
     report = evaluate_bundle(bundle, open_trace(heldout), config)
-    if plot:
-        title = f"{bundle.method}, EP {bundle.ep_size}: balanced LAR {report['overall']['lar_balanced']:.3f}"
-        err_console.print(f"plot: {plot_evaluation(report, plot, title)}")
+    if plot and not report["overall"]["tokens"]:
+        err_console.print(f"plot: not drawn, {heldout} holds no tokens", markup=False)
+    elif plot:
+        balanced = report["overall"]["lar_balanced"]
+        title = f"{bundle.method}, EP {bundle.ep_size}: balanced LAR {balanced:.3f}"
+        err_console.print(f"plot: {plot_evaluation(report, plot, title)}", markup=False)
     if as_json:
         console.print_json(json.dumps(report))
         return

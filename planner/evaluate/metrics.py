@@ -302,11 +302,12 @@ def _report(acc: _Acc, bundle: Bundle, cfg: EvalConfig, k: int, per_device: int)
     overall = {
         "tokens": int(acc.occurrences[0]) if len(acc.occurrences) else 0,
         **{name: pooled(num, den) for name, (num, den) in ratios.items()},
-        **{name: _num(np.nanmean(v)) for name, v in imbalances.items()},
+        **{name: _nanmean(v) for name, v in imbalances.items()},
         "remote_activations": int(remote_b),
         "remote_activations_vanilla": int(remote_v),
-        "all_to_all_bytes": int(remote_b * bytes_per) if bytes_per else None,
-        "all_to_all_bytes_vanilla": int(remote_v * bytes_per) if bytes_per else None,
+        # whole activations times bytes in Python ints: no float overflow for any hidden size
+        "all_to_all_bytes": int(remote_b) * bytes_per if bytes_per else None,
+        "all_to_all_bytes_vanilla": int(remote_v) * bytes_per if bytes_per else None,
     }
     report = {
         "overall": overall,
@@ -320,6 +321,12 @@ def _report(acc: _Acc, bundle: Bundle, cfg: EvalConfig, k: int, per_device: int)
             "local_balanced": acc.request_local.astype(np.int64).tolist(),
         }
     return report
+
+
+def _nanmean(values) -> float | None:
+    """Mean of the non-NaN values, None when there are none (no warning)."""
+    values = np.asarray(values, dtype=np.float64)
+    return _num(values[~np.isnan(values)].mean()) if (~np.isnan(values)).any() else None
 
 
 def _num(x) -> float | None:

@@ -37,3 +37,17 @@ def test_help_lists_the_stages(capsys):
     out = capsys.readouterr().out
     for command in ("profile", "trace"):
         assert command in out
+
+
+def test_paths_and_names_print_as_given_not_as_markup(tmp_path, capsys):
+    # "[v2]" was swallowed as a style tag; "[/x]" raised rich's MarkupError after writing
+    for name in ("runs[v2]", "mk[/x]"):
+        out = tmp_path / name / "t"
+        args = ["trace", "synth", "--out", str(out), "--layers", "2", "--experts", "4"]
+        args += ["--top-k", "1", "--vocab", "50", "--tokens", "200", "--requests", "4"]
+        assert main([*args, "--model", "org/[/bold]m"]) == 0
+        assert f"wrote {out}:" in capsys.readouterr().out
+        assert main(["trace", "info", str(out)]) == 0
+        assert "org/[/bold]m" in capsys.readouterr().out
+    assert main(["trace", "info", str(tmp_path / "x[/y]")]) == 2
+    assert "x[/y]: no such trace" in capsys.readouterr().err

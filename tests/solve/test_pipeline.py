@@ -324,3 +324,24 @@ def test_fit_refuses_a_counts_table_of_zeros(tmp_path, capsys):
     assert main(["fit", str(tmp_path / "zeros.parquet"), "--out", str(tmp_path / "p")]) == 2
     assert "no routed activations to fit on" in capsys.readouterr().err
     assert not (tmp_path / "p").exists()
+
+
+def test_evaluate_edges_huge_hidden_size_and_an_empty_trace(pipeline, tmp_path, capsys):
+    d, path, _, _ = pipeline
+    plan = tmp_path / "plan"
+    assert main(["fit", str(d / "fit"), "--out", str(tmp_path / "pred")]) == 0
+    assert main(["solve", str(tmp_path / "pred"), "--ep", "2", "--method", "vanilla",
+                 "--out", str(plan)]) == 0  # fmt: skip
+    capsys.readouterr()
+    hidden = 10**30  # bytes in Python ints: float(remote * bytes) overflowed from ~1e308
+    args = ["evaluate", str(plan), str(d / "held"), "--json", "--dtype-bytes", "2"]
+    assert main([*args, "--hidden-size", str(hidden)]) == 0
+    overall = json.loads(capsys.readouterr().out)["overall"]
+    assert overall["all_to_all_bytes"] == overall["remote_activations"] * hidden * 2 * 2
+    meta = open_trace(path).meta
+    empty = TraceBatch.from_arrays([], [], [], np.zeros((0, meta.num_layers, meta.top_k)),
+                                   np.zeros((0, meta.num_layers, meta.top_k)))  # fmt: skip
+    write_trace(tmp_path / "empty", meta, empty)
+    png = tmp_path / "e.png"
+    assert main(["evaluate", str(plan), str(tmp_path / "empty"), "--plot", str(png)]) == 0
+    assert "not drawn" in capsys.readouterr().err and not png.exists()
