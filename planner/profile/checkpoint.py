@@ -135,24 +135,57 @@ def load_model(info: CheckpointInfo, device: str, dtype: str, progress: bool = T
     """The checkpoint's causal LM in eval mode on ``device``, weights in ``dtype``."""
     _offline()
     import torch
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     bars_were_on = hf_logging.is_progress_bar_enabled()
     if not progress:
         hf_logging.disable_progress_bar()
+    # The loading report (a multi-line warning) would repeat what the error below says.
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity(max(verbosity, hf_logging.ERROR))
     try:
         # Any: transformers wraps PreTrainedModel.to with functools.wraps, which mypy
-        # cannot bind as a method
-        model: Any = AutoModelForCausalLM.from_pretrained(
-            info.path, local_files_only=True, dtype=getattr(torch, dtype)
+        # cannot bind as a method. Mismatched shapes are let through and refused below, so
+        # the error can name the tensor instead of pointing at a suppressed report.
+        model: Any
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            info.path,
+            local_files_only=True,
+            dtype=getattr(torch, dtype),
+            ignore_mismatched_sizes=True,
+            output_loading_info=True,
         )
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except SafetensorError as e:
+        raise ModelError(
+            f"{info.path}: cannot load model weights: a .safetensors file is truncated or "
+            f"damaged ({_first_line(e)})"
+        ) from None
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+        # RuntimeError: the state-dict errors of transformers.
         raise ModelError(f"{info.path}: cannot load model weights ({_first_line(e)})") from None
     finally:
+        hf_logging.set_verbosity(verbosity)
         if bars_were_on:
             hf_logging.enable_progress_bar()
+    mismatched = sorted(loading.get("mismatched_keys") or (), key=str)
+    if mismatched:
+        raise ModelError(
+            f"{info.path}: the weights do not match config.json "
+            f"({_describe_mismatch(mismatched[0])}"
+            f"{f' and {len(mismatched) - 1} more' if len(mismatched) > 1 else ''}); "
+            f"the config or the weights file was changed"
+        )
     return model.to(device).eval()
+
+
+def _describe_mismatch(item: Any) -> str:
+    """One mismatched tensor as transformers reports it: (name, checkpoint shape, model shape)."""
+    if isinstance(item, tuple) and len(item) == 3:
+        name, in_file, in_config = item
+        return f"{name} is {list(in_file)} in the weights file but {list(in_config)} by the config"
+    return str(item)
 
 
 def _first_line(e: BaseException) -> str:

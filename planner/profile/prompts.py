@@ -95,4 +95,19 @@ def _parse_json_line(path: Path, lineno: int, line: str, index: int) -> Prompt:
     domain = obj.get("domain")
     if domain is not None and not isinstance(domain, str):
         raise InputError(f'{where}: "domain" must be a string, got {domain!r}')
+    for name, value in (("text", text), ("id", pid), ("domain", domain)):
+        if isinstance(value, str):
+            _check_no_surrogate(where, name, value)
     return Prompt(index, str(pid), text, domain)
+
+
+def _check_no_surrogate(where: str, name: str, value: str) -> None:
+    """Refuse a string that is not valid Unicode text: a JSON escape such as ``\\ud800``
+    decodes to an unpaired UTF-16 surrogate, which no tokenizer or Parquet file accepts."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputError(
+            f'{where}: "{name}" holds an unpaired surrogate ({ascii(value[e.start])} at '
+            f"character {e.start}); write the character itself or a valid surrogate pair"
+        ) from None

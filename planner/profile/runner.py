@@ -41,7 +41,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from planner._io import atomic_path, write_json_atomic
+from planner._io import atomic_path, sha256_file, write_json_atomic
 from planner.errors import InputError, ModelError
 from planner.profile.checkpoint import (
     DTYPES,
@@ -60,8 +60,11 @@ EMBEDDINGS_FILE = "embeddings.safetensors"
 EMBEDDINGS_TENSOR = "embeddings"
 SETTINGS_FILE = "profile.json"
 DEVICES = ("cpu", "cuda")
-# Settings that change the recorded routing: a resumed run must use the same.
-_RESUME_KEYS = ("model", "model_type", "max_length", "dtype", "add_special_tokens")
+# Settings that change the recorded trace: a resumed run must use the same. A key missing
+# from an older profile.json is not checked.
+_RESUME_KEYS = (
+    "model", "model_type", "max_length", "dtype", "add_special_tokens", "prompts_sha256",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -360,14 +363,20 @@ def profile_model(
 
     Raises:
         InputError: missing model directory or prompts file, no prompts, a bad prompts line,
-            a non-empty ``out_dir`` without ``resume``, a resume with other settings, or cuda
-            requested without CUDA.
-        ModelError: not an MoE model, unsupported architecture, no tokenizer, or a model
-            that does not route as its architecture's adapter expects.
+            a non-empty ``out_dir`` without ``resume``, a resume into a directory that is not
+            a profile run, a resume with other settings or another prompts file (compared by
+            sha256), or cuda requested without CUDA.
+        ModelError: not an MoE model, unsupported architecture, no tokenizer, damaged weights
+            or weights that do not match the config, or a model that does not route as its
+            architecture's adapter expects.
     """
     config = config or ProfileConfig()
     info = inspect_checkpoint(model_dir)
-    prompts = read_prompts(prompts_path)[: config.max_prompts]
+    all_prompts = read_prompts(prompts_path)
+    prompts = all_prompts[: config.max_prompts]
+    # Decided from the whole file, not from this run's prompts, so that every part of a
+    # trace (and a resumed trace) has the same columns as a clean run of the file.
+    with_domain = any(p.domain for p in all_prompts)
     device = config.resolved_device()
     dtype = config.resolved_dtype(device)
     out = Path(out_dir)
@@ -377,7 +386,8 @@ def profile_model(
         "max_length": config.max_length,
         "dtype": dtype,
         "add_special_tokens": config.add_special_tokens,
-        "prompts": str(prompts_path),
+        "prompts": str(Path(prompts_path).resolve()),
+        "prompts_sha256": sha256_file(prompts_path),
     }
     done = _prepare_out_dir(out, config.resume, settings)
     todo = [p for p in prompts if p.index not in done]
@@ -391,9 +401,7 @@ def profile_model(
     embeddings_path = None
     if config.save_embeddings:
         embeddings_path = save_embeddings(model, out / EMBEDDINGS_FILE, dtype, meta)
-    session = ProfileSession(
-        info, model, tokenizer, config, device, with_domain=any(p.domain for p in prompts)
-    )
+    session = ProfileSession(info, model, tokenizer, config, device, with_domain=with_domain)
     load_seconds = time.perf_counter() - t0
 
     acc = LoadAccumulator(meta)
@@ -432,7 +440,11 @@ def profile_model(
 
 
 def _prepare_out_dir(out: Path, resume: bool, settings: dict[str, Any]) -> set[int]:
-    """Check ``out`` may receive this run; return the request ids its finished parts hold."""
+    """Check ``out`` may receive this run; return the request ids its finished parts hold.
+
+    A resume continues only a directory an earlier ``profile`` run started (it holds that
+    run's ``profile.json``) with the same settings and the same prompts file.
+    """
     if out.exists() and not out.is_dir():
         raise InputError(f"output {str(out)!r} exists and is not a directory")
     if not out.exists() or not any(out.iterdir()):
@@ -442,21 +454,42 @@ def _prepare_out_dir(out: Path, resume: bool, settings: dict[str, Any]) -> set[i
             f"output directory {str(out)!r} is not empty; pass --resume to continue that run "
             f"or choose another --out directory"
         )
-    settings_file = out / SETTINGS_FILE
-    if settings_file.is_file():
-        try:
-            before = json.loads(settings_file.read_text())
-        except ValueError:
-            before = {}
-        changed = [k for k in _RESUME_KEYS if k in before and before[k] != settings[k]]
-        if changed:
-            diffs = ", ".join(f"{k}: {before[k]!r} -> {settings[k]!r}" for k in changed)
-            raise InputError(
-                f"{out}: cannot resume with other settings than the run that started it ({diffs})"
-            )
+    before = _read_settings(out)
+    if before.get("prompts_sha256", settings["prompts_sha256"]) != settings["prompts_sha256"]:
+        raise InputError(
+            f"{out}: cannot resume with a different prompts file: {settings['prompts']!r} "
+            f"(sha256 {settings['prompts_sha256'][:12]}...) is not the file the run started "
+            f"with ({before.get('prompts', '?')!r}, sha256 {str(before['prompts_sha256'])[:12]}...)"
+        )
+    changed = [k for k in _RESUME_KEYS if k in before and before[k] != settings[k]]
+    if changed:
+        diffs = ", ".join(f"{k}: {before[k]!r} -> {settings[k]!r}" for k in changed)
+        raise InputError(
+            f"{out}: cannot resume with other settings than the run that started it ({diffs})"
+        )
     if not any(out.glob(PART_GLOB)):
         return set()
     return {int(r) for r in open_trace(out).request_ids()}
+
+
+def _read_settings(out: Path) -> dict[str, Any]:
+    """The ``profile.json`` of the run that started ``out``; refuse a directory without one."""
+    settings_file = out / SETTINGS_FILE
+    not_a_run = (
+        f"cannot --resume into {str(out)!r}: it is not empty and is not a moeplan profile run"
+    )
+    if not settings_file.is_file():
+        raise InputError(f"{not_a_run} (no {SETTINGS_FILE}); choose another --out directory")
+    try:
+        before = json.loads(settings_file.read_text())
+    except (OSError, ValueError) as e:
+        raise InputError(f"{settings_file}: cannot read the settings of that run ({e})") from None
+    if not isinstance(before, dict) or not {"model", "model_type"} <= before.keys():
+        raise InputError(
+            f"{not_a_run} ({SETTINGS_FILE} is not a profile settings file); "
+            f"choose another --out directory"
+        )
+    return before
 
 
 def save_embeddings(model: Any, dest: Path, dtype: str, meta: TraceMeta) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -117,3 +118,54 @@ def test_cuda_without_cuda(model_dirs, prompts, tmp_path, capsys):
     line = _run_error(capsys, ["profile", "--model", str(model_dirs["olmoe"]), "--prompts",
                                str(prompts), "--out", str(tmp_path / "t"), "--device", "cuda"])  # fmt: skip
     assert "CUDA is not available" in line
+
+
+def test_unpaired_surrogate_prompt_is_refused_before_writing(model_dirs, tmp_path, capsys):
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"text": "\\ud800"}\n')
+    out = tmp_path / "o"
+    line = _run_error(capsys, ["profile", "--model", str(model_dirs["olmoe"]), "--prompts",
+                               str(path), "--out", str(out)])  # fmt: skip
+    assert 's.jsonl:1: "text" holds an unpaired surrogate' in line
+    assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def corrupt_dirs(tmp_path_factory, model_dirs):
+    """Copies of a tiny checkpoint with a damaged weights file or an edited config."""
+    root = tmp_path_factory.mktemp("corrupt")
+    dirs = {}
+    for case in ("truncated", "empty", "vocab"):
+        dest = root / f"tiny-{case}"
+        shutil.copytree(model_dirs["mixtral"], dest)
+        weights = dest / "model.safetensors"
+        if case == "truncated":
+            weights.write_bytes(weights.read_bytes()[:1000])
+        elif case == "empty":
+            weights.write_bytes(b"")
+        else:
+            config = json.loads((dest / "config.json").read_text())
+            config["vocab_size"] = 1000
+            (dest / "config.json").write_text(json.dumps(config))
+        dirs[case] = dest
+    return dirs
+
+
+@pytest.mark.parametrize(
+    ("case", "needle"),
+    [
+        ("truncated", "cannot load model weights: a .safetensors file is truncated or damaged"),
+        ("empty", "cannot load model weights: a .safetensors file is truncated or damaged"),
+        ("vocab", "is [72, 32] in the weights file but [1000, 32] by the config and 1 more"),
+    ],
+)
+def test_corrupt_checkpoint_is_one_line(case, needle, corrupt_dirs, prompts, tmp_path, capsys):
+    model = corrupt_dirs[case]
+    out = tmp_path / "t"
+    code = main(["profile", "--model", str(model), "--prompts", str(prompts), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err
+    line = err.strip().splitlines()[-1]  # after the weights-loading progress bar, if any
+    assert line.startswith(f"moeplan: error: {model}: ") and needle in line, err
+    assert not out.exists()

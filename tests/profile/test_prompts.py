@@ -80,3 +80,18 @@ def test_empty_file_is_an_error(tmp_path, content):
 def test_missing_file_is_an_error(tmp_path):
     with pytest.raises(InputError, match="does not exist"):
         read_prompts(tmp_path / "nope.jsonl")
+
+
+@pytest.mark.parametrize(
+    ("line", "field"),
+    [
+        ('{"text": "a \\ud800 b"}', "text"),
+        ('{"text": "ok", "id": "\\udfff"}', "id"),
+        ('{"text": "ok", "domain": "x\\ud83d"}', "domain"),
+    ],
+)
+def test_unpaired_surrogate_is_refused(tmp_path, line, field):
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"text": "fine \\ud83d\\ude00 pair"}\n' + line + "\n")
+    with pytest.raises(InputError, match=rf':2: "{field}" holds an unpaired surrogate'):
+        read_prompts(path)

@@ -314,3 +314,90 @@ def test_resume_with_other_settings_is_refused(model_dirs, prompts_file, tmp_pat
 def test_bad_config_values(kwargs):
     with pytest.raises(InputError):
         ProfileConfig(**kwargs)
+
+
+def test_resume_with_another_prompts_file_is_refused(model_dirs, prompts_file, tmp_path):
+    first = tmp_path / "p3.jsonl"
+    first.write_text("".join(prompts_file.read_text().splitlines(keepends=True)[:3]))
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(prompts_file.read_text().splitlines(keepends=True)[3:8]))
+    out = tmp_path / "t"
+    profile_model(model_dirs["olmoe"], first, out, ProfileConfig(), progress=False)
+    with pytest.raises(InputError, match="cannot resume with a different prompts file"):
+        profile_model(model_dirs["olmoe"], other, out, ProfileConfig(resume=True), progress=False)
+    # The same file edited in place is refused too; an identical copy is the same prompts.
+    copy = tmp_path / "copy.jsonl"
+    copy.write_text(first.read_text())
+    result = profile_model(model_dirs["olmoe"], copy, out, ProfileConfig(resume=True),
+                           progress=False)  # fmt: skip
+    assert result.prompts_resumed == 3 and result.prompts_profiled == 0
+    first.write_text(first.read_text() + '{"text": "one more"}\n')
+    with pytest.raises(InputError, match="cannot resume with a different prompts file"):
+        profile_model(model_dirs["olmoe"], first, out, ProfileConfig(resume=True), progress=False)
+
+
+def test_resume_of_a_run_without_prompts_hash_still_works(model_dirs, prompts_file, tmp_path):
+    out = tmp_path / "t"
+    profile_model(model_dirs["olmoe"], prompts_file, out, ProfileConfig(max_prompts=2),
+                  progress=False)  # fmt: skip
+    settings = json.loads((out / "profile.json").read_text())
+    del settings["prompts_sha256"]  # as written by an older moeplan
+    (out / "profile.json").write_text(json.dumps(settings))
+    result = profile_model(model_dirs["olmoe"], prompts_file, out, ProfileConfig(resume=True),
+                           progress=False)  # fmt: skip
+    assert result.prompts_resumed == 2 and result.prompts_profiled == NUM_PROMPTS - 2
+
+
+def test_domain_column_is_decided_by_the_whole_prompts_file(model_dirs, tmp_path):
+    import pyarrow.parquet as pq
+
+    path = write_prompts(tmp_path / "p.jsonl", sample_texts(5))
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for i, row in enumerate(rows):
+        if i >= 2:
+            row["domain"] = "code"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    model = model_dirs["olmoe"]
+    clean, out = tmp_path / "clean", tmp_path / "resumed"
+    profile_model(model, path, clean, ProfileConfig(), progress=False)
+    profile_model(model, path, out, ProfileConfig(max_prompts=2), progress=False)
+    profile_model(model, path, out, ProfileConfig(resume=True), progress=False)
+    parts = sorted(out.glob("part-*.parquet"))
+    assert len(parts) == 2
+    assert all("domain" in pq.read_schema(p).names for p in parts)
+    got = open_trace(out).read_all(extras=("domain",))
+    want = open_trace(clean).read_all(extras=("domain",))
+    np.testing.assert_array_equal(got.request_id, want.request_id)
+    assert got.extras["domain"].tolist() == want.extras["domain"].tolist()
+    assert set(want.extras["domain"][want.request_id < 2]) == {""}
+
+
+@pytest.mark.parametrize("content", ["predictor", "profile_json_of_something_else"])
+def test_resume_into_a_directory_that_is_not_a_profile_run(model_dirs, prompts_file, tmp_path,
+                                                           content):  # fmt: skip
+    out = tmp_path / "not-a-run"
+    out.mkdir()
+    if content == "predictor":
+        (out / "manifest.json").write_text("{}")
+    else:
+        (out / "profile.json").write_text('{"name": "another tool"}')
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(InputError, match="is not a moeplan profile run"):
+        profile_model(model_dirs["olmoe"], prompts_file, out, ProfileConfig(resume=True),
+                      progress=False)  # fmt: skip
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_resume_into_the_model_directory_is_refused(model_dirs, prompts_file):
+    model = model_dirs["olmoe"]
+    before = sorted(p.name for p in model.iterdir())
+    with pytest.raises(InputError, match="is not a moeplan profile run"):
+        profile_model(model, prompts_file, model, ProfileConfig(resume=True), progress=False)
+    assert sorted(p.name for p in model.iterdir()) == before
+
+
+def test_resume_into_a_missing_directory_starts_fresh(model_dirs, prompts_file, tmp_path):
+    out = tmp_path / "new"
+    result = profile_model(model_dirs["olmoe"], prompts_file, out,
+                           ProfileConfig(resume=True, max_prompts=2), progress=False)  # fmt: skip
+    assert result.prompts_resumed == 0 and result.prompts_profiled == 2
