@@ -149,14 +149,15 @@ def load_model(info: CheckpointInfo, device: str, dtype: str, progress: bool = T
         # Any: transformers wraps PreTrainedModel.to with functools.wraps, which mypy
         # cannot bind as a method. Mismatched shapes are let through and refused below, so
         # the error can name the tensor instead of pointing at a suppressed report.
-        model: Any
-        model, loading = AutoModelForCausalLM.from_pretrained(
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
             info.path,
             local_files_only=True,
             dtype=getattr(torch, dtype),
             ignore_mismatched_sizes=True,
             output_loading_info=True,
         )
+        model: Any = loaded[0]
+        loading: dict[str, Any] = loaded[1]
     except SafetensorError as e:
         raise ModelError(
             f"{info.path}: cannot load model weights: a .safetensors file is truncated or "

@@ -43,6 +43,7 @@ def _np(x: Any) -> np.ndarray:
 
 def _layers(tables: Any, layer: LayerSpec) -> list[int]:
     big_l = int(tables.num_layers)
+    layers: list[Any]
     if layer is None:
         layers = list(range(big_l))
     elif is_integer(layer):
