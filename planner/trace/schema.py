@@ -66,13 +66,14 @@ class TraceMeta:
             )
         if not isinstance(self.model, str):
             raise SchemaError(f"trace metadata model={self.model!r} must be a string")
-        if self.schema_version != SCHEMA_VERSION:
+        if self.schema_version != SCHEMA_VERSION or not is_integer(self.schema_version):
             raise SchemaError(
-                f"trace schema_version {self.schema_version} is not supported (expected {SCHEMA_VERSION})"
+                f"trace schema_version {self.schema_version!r} is not supported (expected "
+                f"{SCHEMA_VERSION})"
             )
         for name in ("num_layers", "num_experts", "top_k", "vocab_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not is_integer(value) or value <= 0:
                 raise SchemaError(f"trace metadata {name}={value!r} must be a positive integer")
         if self.top_k > self.num_experts:
             raise SchemaError(

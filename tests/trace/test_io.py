@@ -10,7 +10,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from planner.errors import InputError, MismatchError, SchemaError
-from planner.trace import TraceMeta, TraceWriter, arrow_schema, open_trace, write_trace
+from planner.trace import (
+    TraceBatch,
+    TraceMeta,
+    TraceWriter,
+    arrow_schema,
+    open_trace,
+    write_trace,
+)
 from tests.conftest import FLAME_TRACE, OLMOE_COUNTS, random_batch, require
 
 
@@ -144,6 +151,8 @@ def test_ids_and_shapes_must_agree_with_metadata(tmp_path, small_meta):
         ({"moe_layer_indices": ("0", "1", "2")}, "non-negative integers"),
         ({"model": 7}, "model=7 must be a string"),
         ({"schema_version": 2}, "not supported"),
+        ({"schema_version": "1"}, "schema_version '1' is not supported"),
+        ({"num_layers": True}, "num_layers=True must be a positive integer"),
     ],
 )
 def test_metadata_validation(change, message):
@@ -171,3 +180,81 @@ def test_real_flame_trace_reads_as_v1():
     # Experts within a layer are distinct.
     s = np.sort(batch.experts, axis=-1)
     assert (np.diff(s, axis=-1) > 0).all()
+
+
+def _with_column(table: pa.Table, name: str, values: pa.Array) -> pa.Table:
+    i = table.schema.get_field_index(name)
+    return table.set_column(i, pa.field(name, values.type), values).replace_schema_metadata(
+        table.schema.metadata
+    )
+
+
+@pytest.mark.parametrize("statistics", [True, False])
+def test_nulls_in_trace_columns_are_refused(tmp_path, small_meta, statistics):
+    batch = random_batch(small_meta, 20)
+    table = batch.to_table(small_meta)
+    rid = pa.array([None] + batch.request_id[1:].tolist(), pa.int64())
+    path = tmp_path / "null_rid.parquet"
+    pq.write_table(_with_column(table, "request_id", rid), path, write_statistics=statistics)
+    with pytest.raises(SchemaError, match="column request_id holds"):
+        list(open_trace(path).iter_batches())
+    # A null expert inside a list.
+    experts = table.column("experts").combine_chunks()
+    values = experts.values.to_pylist()
+    values[4] = None
+    nulled = pa.FixedSizeListArray.from_arrays(pa.array(values, pa.int16()), small_meta.row_width)
+    path = tmp_path / "null_expert.parquet"
+    pq.write_table(_with_column(table, "experts", nulled), path, write_statistics=statistics)
+    with pytest.raises(SchemaError, match="column experts holds"):
+        list(open_trace(path).iter_batches(weights=False, validate=False))
+
+
+def test_cli_info_refuses_nulls_in_one_line(tmp_path, small_meta, capsys):
+    from planner.cli.main import main
+
+    batch = random_batch(small_meta, 20)
+    table = batch.to_table(small_meta)
+    path = tmp_path / "t.parquet"
+    rid = pa.array(batch.request_id[:-1].tolist() + [None], pa.int64())
+    pq.write_table(_with_column(table, "request_id", rid), path)
+    assert main(["trace", "info", str(path), "--json"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "request_id holds 1 null(s)" in err[0]
+
+
+def test_repeated_experts_and_negative_positions_are_refused(tmp_path, small_meta):
+    batch = random_batch(small_meta, 20)
+    batch.experts[3, 1, 1] = batch.experts[3, 1, 0]
+    with pytest.raises(SchemaError, match="routes twice to one expert at MoE layer 1"):
+        batch.validate(small_meta)
+    pq.write_table(batch.to_table(small_meta), tmp_path / "dup.parquet")
+    with pytest.raises(SchemaError, match="routes twice"):
+        open_trace(tmp_path / "dup.parquet").read_all()
+    batch = random_batch(small_meta, 20)
+    batch.position[5] = -3
+    with pytest.raises(SchemaError, match="negative position -3"):
+        write_trace(tmp_path / "neg.parquet", small_meta, batch)
+    assert not (tmp_path / "neg.parquet").exists()
+
+
+def test_repeated_expert_check_with_a_wide_top_k():
+    from planner.trace.io import _repeated_expert
+
+    rng = np.random.default_rng(0)
+    experts = np.argsort(rng.random((50, 2, 64)), axis=-1)[..., :20].astype(np.int16)
+    assert _repeated_expert(experts) is None
+    experts[7, 1, 19] = experts[7, 1, 2]
+    assert _repeated_expert(experts) == (7, 1)
+    assert _repeated_expert(experts[:, :, :6]) is None
+
+
+def test_from_arrays_refuses_ids_beyond_int32(small_meta):
+    batch = random_batch(small_meta, 4)
+    with pytest.raises(SchemaError, match="token id 8589934599 does not fit"):
+        TraceBatch.from_arrays(
+            batch.request_id, batch.position, [2**33 + 7] * 4, batch.experts, batch.weights
+        )
+    with pytest.raises(SchemaError, match="position -2147483649 does not fit"):
+        TraceBatch.from_arrays(
+            batch.request_id, [-(2**31) - 1] * 4, batch.token_id, batch.experts, batch.weights
+        )
