@@ -69,14 +69,16 @@ from pathlib import Path
 
 import numpy as np
 
-from planner._io import atomic_path
+from planner._checks import is_integer
+from planner._io import atomic_path, check_output
 from planner.errors import InputError, MismatchError, SchemaError
-from planner.trace.io import TraceBatch, TraceWriter, write_trace
+from planner.trace.io import PART_GLOB, TraceBatch, TraceWriter, write_trace
 from planner.trace.schema import TraceMeta
 
 DUMP_GLOB = "expert_distribution_recorder_*.pt"
 FORWARD_MODE_DECODE = 2  # sglang ForwardMode.DECODE (EXTEND=1, DECODE=2, MIXED=3, IDLE=4)
 _MAP_KEY = "last_physical_to_logical_map"
+_INT32 = np.iinfo(np.int32)
 
 
 @dataclass(frozen=True)
@@ -173,6 +175,24 @@ def _to_numpy(value, what: str, where: Path, ndim: int) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
+def _int_field(rec: dict, key: str, default: int, where: str) -> int:
+    """``rec[key]`` as an int (``default`` when absent); SchemaError if it is not one."""
+    value = rec.get(key, default)
+    if not is_integer(value):
+        raise SchemaError(f"{where}: {key} is {value!r}, expected an integer")
+    return int(value)
+
+
+def _check_int32(values: np.ndarray, what: str, where: str) -> None:
+    """SchemaError unless every value fits the trace's int32 column."""
+    if values.size and (values.min() < _INT32.min or values.max() > _INT32.max):
+        bad = int(values.min()) if values.min() < _INT32.min else int(values.max())
+        raise SchemaError(
+            f"{where}: {what} value {bad} does not fit the trace's int32 column "
+            f"[{_INT32.min}, {_INT32.max}]"
+        )
+
+
 def load_dump(path: str | Path) -> tuple[list[dict], np.ndarray]:
     """Read one ``per_token`` dump: (records with numpy arrays, physical_to_logical [L, P]).
 
@@ -212,10 +232,15 @@ def load_dump(path: str | Path) -> tuple[list[dict], np.ndarray]:
     if _MAP_KEY not in obj:
         raise SchemaError(f"{path}: lacks '{_MAP_KEY}' needed to map physical to logical experts")
     p2l = _to_numpy(obj[_MAP_KEY], _MAP_KEY, path, 2)
+    if 0 in p2l.shape:
+        raise SchemaError(
+            f"{path}: '{_MAP_KEY}' has shape {tuple(p2l.shape)}; expected [layers, physical "
+            "experts] with at least one of each"
+        )
     records = obj["records"]
     if not isinstance(records, list):
         raise SchemaError(f"{path}: 'records' is a {type(records).__name__}, expected a list")
-    out = []
+    out: list[dict] = []
     for i, rec in enumerate(records):
         where = f"{path} record {i}"
         if not isinstance(rec, dict):
@@ -239,11 +264,18 @@ def load_dump(path: str | Path) -> tuple[list[dict], np.ndarray]:
                 f"{where}: topk_ids_of_layer {topk.shape}, {t} input_ids and "
                 f"{positions.shape[0]} positions disagree with the map's {p2l.shape[0]} layers"
             )
+        if out and topk.shape[2] != out[0]["topk"].shape[2]:
+            raise SchemaError(
+                f"{where}: topk_ids_of_layer has {topk.shape[2]} columns per token, record 0 "
+                f"has {out[0]['topk'].shape[2]}; every record of a dump has the same width"
+            )
+        for key, arr in (("input_ids", input_ids), ("positions", positions)):
+            _check_int32(arr, key, where)
         esl = rec.get("extend_seq_lens")
         out.append(
             {
-                "forward_pass_id": int(rec.get("forward_pass_id", i)),
-                "rank": int(rec.get("rank", 0)),
+                "forward_pass_id": _int_field(rec, "forward_pass_id", i, where),
+                "rank": _int_field(rec, "rank", 0, where),
                 "forward_mode": rec.get("forward_mode"),
                 "input_ids": input_ids,
                 "positions": positions,
@@ -297,6 +329,7 @@ def _read_dumps(files: list[Path]) -> tuple[list[dict], np.ndarray]:
     records: list[dict] = []
     p2l: np.ndarray | None = None
     p2l_file: Path | None = None
+    width_file: Path | None = None
     for f in files:
         recs, m = load_dump(f)
         if p2l is None:
@@ -305,6 +338,14 @@ def _read_dumps(files: list[Path]) -> tuple[list[dict], np.ndarray]:
             raise MismatchError(
                 f"{f}: physical_to_logical map {m.shape} differs from {p2l_file}'s {p2l.shape}; "
                 "ingest dumps recorded under one expert placement together"
+            )
+        if recs and width_file is None:
+            width_file = f
+        elif recs and recs[0]["topk"].shape[2] != records[0]["topk"].shape[2]:
+            raise MismatchError(
+                f"{f}: topk_ids_of_layer has {recs[0]['topk'].shape[2]} columns per token, "
+                f"{width_file}'s records have {records[0]['topk'].shape[2]}; ingest dumps of "
+                "one recorder together"
             )
         records.extend(recs)
     assert p2l is not None  # dump_files never returns an empty list
@@ -470,18 +511,24 @@ def ingest_sglang(
 
     ``out`` ending in ``.parquet`` gives one file, otherwise a directory of parts. The
     result appears only once complete; an existing ``out`` is replaced only with
-    ``overwrite=True``.
+    ``overwrite=True``, and only if it is an earlier trace (never an input dump, a directory
+    holding one, or a directory of another kind).
     """
     out = Path(out)
     if out.exists() and not overwrite:
         raise InputError(f"{out}: already exists; choose another path or pass overwrite (--force)")
     if not isinstance(rows_per_part, int) or rows_per_part < 1:
         raise InputError(f"sglang: rows_per_part={rows_per_part!r} must be a positive integer")
+    # Never replace an input dump, a directory holding one, or a directory of another kind.
+    single = out.suffix == ".parquet"
+    check_output(
+        out, marker=None if single else PART_GLOB, what="trace", inputs=tuple(dump_files(dumps))
+    )
     meta, batch, stats = convert_sglang(
         dumps, model=model, vocab_size=vocab_size, skip_decode=skip_decode
     )
     with atomic_path(out) as tmp:
-        if out.suffix == ".parquet":
+        if single:
             write_trace(tmp, meta, batch)
         else:
             writer = TraceWriter(tmp, meta)

@@ -47,9 +47,9 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from planner._checks import is_integer
-from planner._io import atomic_path
+from planner._io import atomic_path, check_output
 from planner.errors import InputError
-from planner.trace.io import TraceBatch, open_trace
+from planner.trace.io import PART_GLOB, TraceBatch, open_trace
 from planner.trace.schema import TraceMeta
 
 # Share of token draws that come from the vocabulary-wide Zipf law rather than the
@@ -538,15 +538,18 @@ def synthesize(
     ``part-NNNNN.parquet`` files of at most ``rows_per_part`` rows. Rows are streamed (one
     row group per 65536 rows), so memory stays bounded whatever ``num_tokens``. The file or
     directory appears only once complete; an existing one is replaced only with
-    ``overwrite=True``.
+    ``overwrite=True``, and only if it is an earlier trace (or an empty directory).
     """
     out = Path(out)
     if not is_integer(rows_per_part) or rows_per_part < 1:
         raise InputError(f"synth: rows_per_part={rows_per_part!r} must be a positive integer")
     if out.exists() and not overwrite:
         raise InputError(f"{out}: already exists; choose another path or pass overwrite (--force)")
-    gen = SynthGenerator(config)
     single = out.suffix == ".parquet"
+    # --force replaces an earlier trace only: never a file where a directory goes, nor a
+    # non-empty directory of another kind.
+    check_output(out, marker=None if single else PART_GLOB, what="trace")
+    gen = SynthGenerator(config)
     batch_rows = min(65536, rows_per_part)
     with _progress_bar(progress, config.num_tokens) as advance, atomic_path(out) as tmp:
         if not single:

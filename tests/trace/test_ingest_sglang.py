@@ -174,3 +174,89 @@ def test_cli_ingest(dump_dir, tmp_path, capsys):
     assert err == [
         f"moeplan: error: {text}: not a torch.save file (expected an SGLang per_token dump)"
     ]
+
+
+def test_force_never_replaces_the_input_dumps(tmp_path):
+    """--out naming the dump directory, a dump file or their parent is refused; nothing lost."""
+    dumps = tmp_path / "dumps"
+    fixture.write(dumps)
+    before = sorted(p.name for p in dumps.iterdir())
+    one = sorted(dumps.iterdir())[0]
+    for out in (dumps, one, tmp_path):
+        with pytest.raises(InputError, match="reads its input"):
+            ingest_sglang([dumps], out, overwrite=True)
+    assert sorted(p.name for p in dumps.iterdir()) == before
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("keep")
+    with pytest.raises(InputError, match="not a trace"):
+        ingest_sglang([dumps], notes, overwrite=True)
+    assert (notes / "notes.txt").read_text() == "keep"
+    # An earlier trace is still replaced with --force.
+    out = tmp_path / "t"
+    ingest_sglang([dumps], out, vocab_size=100)
+    ingest_sglang([dumps], out, vocab_size=200, overwrite=True)
+    assert open_trace(out).meta.vocab_size == 200
+
+
+def test_cli_force_onto_the_input_is_one_line(dump_dir, capsys):
+    args = ["trace", "ingest", "sglang", str(dump_dir), "--out", str(dump_dir), "--force"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "reads its input" in err[0]
+    assert len(list(dump_dir.glob("*.pt"))) == 3
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda good, r0: dict(good, records=[dict(r0, forward_pass_id="abc")]), "forward_pass_id is 'abc'"),
+        (lambda good, r0: dict(good, records=[dict(r0, forward_pass_id=None)]), "forward_pass_id is None"),
+        (lambda good, r0: dict(good, records=[dict(r0, rank=None)]), "rank is None"),
+        (
+            lambda good, r0: dict(good, last_physical_to_logical_map=torch.zeros((4, 0), dtype=torch.int64)),
+            r"shape \(4, 0\)",
+        ),
+        (
+            lambda good, r0: dict(good, records=[r0, dict(good["records"][1], topk_ids_of_layer=good["records"][1]["topk_ids_of_layer"][:, :, :4].clone())]),
+            "record 1: topk_ids_of_layer has 4 columns per token, record 0 has 8",
+        ),
+        (
+            lambda good, r0: dict(good, records=[dict(r0, input_ids=[2**33 + 7] * len(r0["input_ids"]))]),
+            "input_ids value 8589934599 does not fit",
+        ),
+        (
+            lambda good, r0: dict(good, records=[dict(r0, positions=[2**31 + i for i in range(len(r0["positions"]))])]),
+            "positions value .* does not fit",
+        ),
+    ],
+)  # fmt: skip
+def test_malformed_records_are_one_line_errors(tmp_path, change, message):
+    dumps, _ = fixture.build()
+    good = next(iter(dumps.values()))
+    path = _save(tmp_path / "bad.pt", change(good, good["records"][0]))
+    with pytest.raises(SchemaError, match=message):
+        convert_sglang([path])
+    assert main(["trace", "ingest", "sglang", str(path), "--out", str(tmp_path / "t")]) == 2
+    assert not (tmp_path / "t").exists()
+
+
+def test_topk_widths_differing_between_files_are_refused(tmp_path):
+    dumps, _ = fixture.build()
+    (name0, d0), (name1, d1) = list(dumps.items())[:2]
+    narrow = dict(d1, records=[
+        dict(r, topk_ids_of_layer=r["topk_ids_of_layer"][:, :, :4].clone()) for r in d1["records"]
+    ])  # fmt: skip
+    with pytest.raises(MismatchError, match="4 columns per token"):
+        convert_sglang([_save(tmp_path / name0, d0), _save(tmp_path / name1, narrow)])
+
+
+def test_cli_huge_token_ids_are_refused_not_wrapped(tmp_path, capsys):
+    dumps, _ = fixture.build()
+    good = next(iter(dumps.values()))
+    r0 = good["records"][0]
+    path = _save(tmp_path / "big.pt", dict(good, records=[dict(r0, input_ids=[2**33 + 7] * 7)]))
+    assert main(["trace", "ingest", "sglang", str(path), "--out", str(tmp_path / "t.parquet")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not fit the trace's int32 column" in err[0]
+    assert not (tmp_path / "t.parquet").exists()

@@ -284,3 +284,26 @@ def test_guide_table_sampler_agrees_with_bisection():
     want = np.minimum(want, cdf.offsets[group + 1] - 1)
     np.testing.assert_array_equal(got, want)
     assert ((got >= cdf.offsets[group]) & (got < cdf.offsets[group + 1])).all()
+
+
+def test_force_replaces_only_an_earlier_trace(tmp_path, capsys):
+    small = dataclasses.replace(SMALL, num_tokens=100, num_requests=3)
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("keep")
+    with pytest.raises(InputError, match="non-empty directory that is not a trace"):
+        synthesize(small, notes, overwrite=True)
+    assert [p.name for p in notes.iterdir()] == ["notes.txt"]
+    afile = tmp_path / "f"
+    afile.write_text("keep")
+    args = ["trace", "synth", "--out", str(afile), "--force", "--tokens", "100", "--requests", "3"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"moeplan: error: {afile}: exists and is a file; a trace is a directory"]
+    assert afile.read_text() == "keep"
+    # An earlier trace, and an empty directory, are replaced.
+    (tmp_path / "empty").mkdir()
+    synthesize(small, tmp_path / "empty", overwrite=True)
+    out = synthesize(small, tmp_path / "tr")
+    synthesize(dataclasses.replace(small, num_tokens=50), out, overwrite=True)
+    assert open_trace(out).num_rows == 50
