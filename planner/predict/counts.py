@@ -31,6 +31,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from scipy import sparse
 
+from planner._checks import is_integer
 from planner._io import atomic_path
 from planner.errors import InputError, SchemaError
 from planner.trace.schema import (
@@ -376,6 +377,7 @@ def read_counts_table(
             declared = json.loads(md[META_KEY])
         except ValueError as e:
             raise SchemaError(f"{path}: 'moeplan' metadata is not valid JSON ({e})") from None
+        _check_declared(path, declared)
         if declared.get("schema") != "counts":
             raise SchemaError(f"{path}: 'moeplan' metadata does not declare schema 'counts'")
         if declared.get("schema_version", 1) != 1:
@@ -439,6 +441,26 @@ def read_counts_table(
     )
     out = counts_from_triples(meta, moe_index, token, expert, count)
     return TokenExpertCounts(out.meta, out.by_layer, domains)
+
+
+def _check_declared(path: Path, declared: object) -> None:
+    """SchemaError unless the table's 'moeplan' metadata is an object of well-typed fields."""
+    if not isinstance(declared, dict):
+        raise SchemaError(
+            f"{path}: 'moeplan' metadata must be a JSON object, not {type(declared).__name__}"
+        )
+    for key in ("num_layers", "num_experts", "top_k", "vocab_size"):
+        if key not in declared:
+            continue
+        value = declared[key]
+        if not (is_integer(value) and value > 0):
+            raise SchemaError(
+                f"{path}: 'moeplan' metadata {key}={value!r} must be a positive integer"
+            )
+    if declared.get("model") is not None and not isinstance(declared["model"], str):
+        raise SchemaError(
+            f"{path}: 'moeplan' metadata model={declared['model']!r} must be a string"
+        )
 
 
 def _check_range(path: Path, name: str, values: np.ndarray, bound: int, what: str) -> None:

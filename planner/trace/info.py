@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 from rich.table import Table
+from rich.text import Text
 
 from planner.trace.io import TraceBatch, open_trace
 from planner.trace.schema import TraceMeta
@@ -54,7 +55,8 @@ class LoadAccumulator:
             "tokens": int(self.tokens),
             "requests": len(self._requests),
             "distinct_tokens": int(self._seen_tokens.sum()),
-            "skewness_per_layer": [round(float(s), 4) for s in skew],
+            # null for a layer with no load (a zero-row trace): strict JSON has no NaN.
+            "skewness_per_layer": [None if np.isnan(s) else round(float(s), 4) for s in skew],
             "skewness_mean": round(float(np.nanmean(skew)), 4) if self.tokens else None,
             "expert_load": self.load.tolist(),  # [L, N] routed activations
         }
@@ -86,14 +88,19 @@ def trace_summary(path: str | Path) -> dict:
 
 def render_summary(s: dict) -> Table:
     """A rich table of :func:`trace_summary`'s output, for a person to read."""
-    table = Table(title=f"trace {s['path']}", show_header=False, title_justify="left")
+    # Paths, model names and sources are the user's text: plain Text, never parsed as rich
+    # markup (whatever the console's markup setting), so "[...]" in them prints as it is.
+    table = Table(title=Text(f"trace {s['path']}"), show_header=False, title_justify="left")
     table.add_column("field", style="bold")
     table.add_column("value")
     for key in ("model", "source", "fingerprint", "num_layers", "num_experts", "top_k",
                 "vocab_size", "tokens", "requests", "distinct_tokens", "parts", "bytes",
                 "bytes_per_token", "skewness_mean"):  # fmt: skip
-        table.add_row(key, str(s.get(key)))
+        table.add_row(key, Text(str(s.get(key))))
     layers = s["moe_layer_indices"]
-    skew = ", ".join(f"L{i}:{v:.2f}" for i, v in zip(layers, s["skewness_per_layer"], strict=True))
-    table.add_row("skewness (max/mean)", skew)
+    skew = ", ".join(
+        f"L{i}:" + ("n/a" if v is None else f"{v:.2f}")
+        for i, v in zip(layers, s["skewness_per_layer"], strict=True)
+    )
+    table.add_row("skewness (max/mean)", Text(skew))
     return table

@@ -184,3 +184,23 @@ def test_real_olmoe_counts_read():
     # Each layer holds k activations per token occurrence: ~209k tokens per domain.
     per_layer = c.token_activations().sum(axis=1)
     assert (per_layer == per_layer[0]).all() and per_layer[0] % 2 == 0
+
+
+@pytest.mark.parametrize(
+    ("meta", "message"),
+    [
+        (b"[1]", "must be a JSON object, not list"),
+        (b'{"schema": "counts", "num_layers": "x"}', "num_layers='x' must be a positive integer"),
+        (b'{"schema": "counts", "num_experts": 0}', "num_experts=0 must be a positive integer"),
+        (b'{"schema": "counts", "top_k": true}', "top_k=True must be a positive integer"),
+        (b'{"schema": "counts", "model": 3}', "model=3 must be a string"),
+    ],
+)
+def test_malformed_counts_metadata_is_a_schema_error(tmp_path, small_meta, meta, message):
+    arrays = [np.array(a) for a in ([0, 1], [3, 4], [1, 2], [5, 6])]
+    counts = counts_from_triples(small_meta, *arrays)
+    path = write_counts_table(tmp_path / "c.parquet", counts)
+    table = pq.read_table(path)
+    pq.write_table(table.replace_schema_metadata({b"moeplan": meta}), path)
+    with pytest.raises(SchemaError, match=message):
+        read_counts_table(path)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import numpy as np
+import pytest
 
 from planner.cli.main import main
 from planner.trace import TraceBatch, TraceMeta, write_trace
-from planner.trace.info import trace_summary
+from planner.trace.info import render_summary, trace_summary
 from tests.conftest import FLAME_TRACE, require
 
 
@@ -41,3 +43,29 @@ def test_cli_error_is_one_line(tmp_path, capsys):
     assert main(["trace", "info", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"moeplan: error: {tmp_path / 'nope'}: no such trace file or directory"]
+
+
+def test_zero_row_trace_info_is_strict_json(tmp_path, capsys):
+    meta = TraceMeta("m", num_layers=2, num_experts=4, top_k=1, vocab_size=10)
+    empty = TraceBatch.from_arrays([], [], [], np.zeros((0, 2, 1)), np.ones((0, 2, 1)))
+    path = write_trace(tmp_path / "t.parquet", meta, empty)
+    assert main(["trace", "info", str(path), "--json"]) == 0
+    out = capsys.readouterr().out
+    s = json.loads(out, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+    assert s["tokens"] == 0 and s["skewness_per_layer"] == [None, None]
+    assert main(["trace", "info", str(path)]) == 0
+    assert "L0:n/a" in capsys.readouterr().out
+
+
+def test_user_text_is_not_read_as_rich_markup(tmp_path):
+    from rich.console import Console
+
+    meta = TraceMeta("org/[/bold]m", num_layers=2, num_experts=4, top_k=1, vocab_size=10)
+    batch = TraceBatch.from_arrays([0], [0], [1], np.zeros((1, 2, 1)), np.ones((1, 2, 1)))
+    folder = tmp_path / "[red]runs"
+    folder.mkdir()
+    path = write_trace(folder / "t.parquet", meta, batch)
+    buf = io.StringIO()
+    Console(file=buf, width=200, markup=True).print(render_summary(trace_summary(path)))
+    text = buf.getvalue()
+    assert "org/[/bold]m" in text and "[red]runs" in text
