@@ -253,13 +253,19 @@ def _batch_from_record_batch(
     )
 
 
+def _part_order(part: Path) -> tuple[int, str]:
+    """Numbered parts by their number (part-9 before part-10), others after them by name."""
+    m = _PART_RE.match(part.name)
+    return (int(m.group(1)), "") if m else (1 << 62, part.name)
+
+
 def trace_parts(path: str | Path) -> list[Path]:
     """The Parquet files that make up the trace at ``path`` (a file or a directory)."""
     p = Path(path)
     if p.is_file():
         return [p]
     if p.is_dir():
-        parts = sorted(q for q in p.glob(PART_GLOB) if q.is_file())
+        parts = sorted((q for q in p.glob(PART_GLOB) if q.is_file()), key=_part_order)
         if not parts:
             raise InputError(f"{p}: directory holds no {PART_GLOB} files; it is not a trace")
         return parts

@@ -109,6 +109,17 @@ def test_parts_from_different_models(tmp_path, small_meta):
         TraceWriter(tmp_path / "tr2", other)
 
 
+def test_numbered_parts_are_read_in_number_order(tmp_path, small_meta):
+    # hand-numbered parts: part-9 comes before part-10 (text order had it after)
+    d = tmp_path / "tr"
+    d.mkdir()
+    first, second = random_batch(small_meta, 5), random_batch(small_meta, 7)
+    write_trace(d / "part-9.parquet", small_meta, first)
+    write_trace(d / "part-10.parquet", small_meta, second)
+    ids = open_trace(d).read_all().request_id
+    assert ids.tolist() == first.request_id.tolist() + second.request_id.tolist()
+
+
 def test_ids_and_shapes_must_agree_with_metadata(tmp_path, small_meta):
     batch = random_batch(small_meta, 10)
     bad = batch.select(np.arange(10))
