@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from planner.errors import InputError
+from planner.errors import InputError, MoeplanError
 
 
 @contextlib.contextmanager
@@ -97,6 +97,20 @@ def write_bytes_atomic(dest: str | os.PathLike, data: bytes) -> None:
 
 def write_json_atomic(dest: str | os.PathLike, obj: object) -> None:
     write_bytes_atomic(dest, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def read_json_object(
+    file: str | os.PathLike, where: str, error: type[MoeplanError] = InputError
+) -> dict:
+    """The JSON object in ``file``; ``error`` in one line ("{where} is not valid JSON (...)" /
+    "{where} must hold a JSON object") otherwise."""
+    try:
+        value = json.loads(Path(file).read_text())
+    except ValueError as e:  # UnicodeDecodeError included
+        raise error(f"{where} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise error(f"{where} must hold a JSON object")
+    return value
 
 
 def sha256_file(path: str | os.PathLike) -> str:

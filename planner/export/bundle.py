@@ -47,7 +47,7 @@ import safetensors
 import safetensors.numpy
 
 from planner import __version__
-from planner._io import atomic_path, check_output, sha256_file
+from planner._io import atomic_path, check_output, read_json_object, sha256_file
 from planner.errors import InputError, MismatchError, SchemaError
 from planner.trace.schema import TraceMeta
 
@@ -498,12 +498,7 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     mpath = path / MANIFEST_FILE
     if not mpath.is_file():
         raise SchemaError(f"bundle {path}: {MANIFEST_FILE} is missing; not a moeplan bundle")
-    try:
-        manifest = json.loads(mpath.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise SchemaError(f"bundle {path}: {MANIFEST_FILE} is not valid JSON ({e})") from None
-    if not isinstance(manifest, dict):
-        raise SchemaError(f"bundle {path}: {MANIFEST_FILE} must hold a JSON object")
+    manifest = read_json_object(mpath, f"bundle {path}: {MANIFEST_FILE}", SchemaError)
     if manifest.get("format") != FORMAT:
         raise SchemaError(
             f"bundle {path}: manifest format is {manifest.get('format')!r}, expected {FORMAT!r}"

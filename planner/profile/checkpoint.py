@@ -9,13 +9,13 @@ wrong directory fails in a second with one line. :func:`load_tokenizer` and
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from planner._io import read_json_object
 from planner.errors import InputError, ModelError
 from planner.profile.routers import RouterAdapter, adapter_for, check_moe_config
 
@@ -87,12 +87,7 @@ def inspect_checkpoint(model_dir: str | Path) -> CheckpointInfo:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise InputError(f"{path}: no config.json; not a Hugging Face checkpoint directory")
-    try:
-        raw = json.loads(config_file.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise InputError(f"{config_file}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise InputError(f"{config_file}: expected a JSON object")
+    raw = read_json_object(config_file, str(config_file))
     adapter = adapter_for(raw, str(path))
     _offline()
     from transformers import AutoConfig

@@ -22,7 +22,6 @@ a clean one. ``profile.json`` next to the parts records the settings a resume mu
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -41,7 +40,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from planner._io import atomic_path, sha256_file, write_json_atomic
+from planner._io import atomic_path, read_json_object, sha256_file, write_json_atomic
 from planner.errors import InputError, ModelError
 from planner.profile.checkpoint import (
     DTYPES,
@@ -480,11 +479,8 @@ def _read_settings(out: Path) -> dict[str, Any]:
     )
     if not settings_file.is_file():
         raise InputError(f"{not_a_run} (no {SETTINGS_FILE}); choose another --out directory")
-    try:
-        before = json.loads(settings_file.read_text())
-    except (OSError, ValueError) as e:
-        raise InputError(f"{settings_file}: cannot read the settings of that run ({e})") from None
-    if not isinstance(before, dict) or not {"model", "model_type"} <= before.keys():
+    before = read_json_object(settings_file, f"{settings_file} (the settings of that run)")
+    if not {"model", "model_type"} <= before.keys():
         raise InputError(
             f"{not_a_run} ({SETTINGS_FILE} is not a profile settings file); "
             f"choose another --out directory"
