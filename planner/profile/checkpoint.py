@@ -173,6 +173,13 @@ def load_model(info: CheckpointInfo, device: str, dtype: str, progress: bool = T
             f"{f' and {len(mismatched) - 1} more' if len(mismatched) > 1 else ''}); "
             f"the config or the weights file was changed"
         )
+    missing = sorted(loading.get("missing_keys") or ())
+    if missing:  # transformers would leave them at their random initial values
+        raise ModelError(
+            f"{info.path}: the weights file lacks {missing[0]}"
+            f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''} of the "
+            f"tensors config.json describes; the weights file is incomplete"
+        )
     return model.to(device).eval()
 
 

@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from planner.cli.main import main
@@ -135,7 +136,7 @@ def corrupt_dirs(tmp_path_factory, model_dirs):
     """Copies of a tiny checkpoint with a damaged weights file or an edited config."""
     root = tmp_path_factory.mktemp("corrupt")
     dirs = {}
-    for case in ("truncated", "empty", "vocab"):
+    for case in ("truncated", "empty", "vocab", "missing"):
         dest = root / f"tiny-{case}"
         shutil.copytree(model_dirs["mixtral"], dest)
         weights = dest / "model.safetensors"
@@ -143,6 +144,10 @@ def corrupt_dirs(tmp_path_factory, model_dirs):
             weights.write_bytes(weights.read_bytes()[:1000])
         elif case == "empty":
             weights.write_bytes(b"")
+        elif case == "missing":  # a tensor dropped from the file: it would load at random
+            tensors = load_file(weights)
+            dropped = "model.layers.0.self_attn.q_proj.weight"
+            save_file({k: v for k, v in tensors.items() if k != dropped}, weights)
         else:
             config = json.loads((dest / "config.json").read_text())
             config["vocab_size"] = 1000
@@ -157,6 +162,7 @@ def corrupt_dirs(tmp_path_factory, model_dirs):
         ("truncated", "cannot load model weights: a .safetensors file is truncated or damaged"),
         ("empty", "cannot load model weights: a .safetensors file is truncated or damaged"),
         ("vocab", "is [72, 32] in the weights file but [1000, 32] by the config and 1 more"),
+        ("missing", "the weights file lacks model.layers.0.self_attn.q_proj.weight of the"),
     ],
 )
 def test_corrupt_checkpoint_is_one_line(case, needle, corrupt_dirs, prompts, tmp_path, capsys):
