@@ -485,6 +485,18 @@ def check_embeddings(embeddings: np.ndarray, vocab_size: int, where: str = "embe
         )
     if not np.issubdtype(embeddings.dtype, np.floating):
         raise InputError(f"{where}: dtype {embeddings.dtype} is not floating point")
+    if embeddings.shape[1] == 0:
+        raise InputError(f"{where}: the embeddings have no columns (shape {embeddings.shape})")
+    # in float32, as they are used; in blocks, so a memory-mapped file is not read whole
+    for start in range(0, vocab_size, _NEAREST_BLOCK):
+        with np.errstate(over="ignore"):
+            block = np.asarray(embeddings[start : start + _NEAREST_BLOCK], np.float32)
+        bad = ~np.isfinite(block).all(axis=1)
+        if bad.any():
+            raise InputError(
+                f"{where}: row {start + int(np.argmax(bad))} holds a NaN or infinite value "
+                "(in float32); nearest-token search needs finite embeddings"
+            )
 
 
 def load_embeddings(path: str | Path, vocab_size: int) -> np.ndarray:

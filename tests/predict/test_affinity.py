@@ -99,6 +99,18 @@ def test_load_embeddings_formats(tmp_path):
     (tmp_path / "e.txt").write_text("x")
     with pytest.raises(InputError):
         load_embeddings(tmp_path / "e.txt", 8)
+    bad = emb.astype(np.float64)
+    bad[5, 1] = np.nan
+    np.save(tmp_path / "nan.npy", bad)
+    with pytest.raises(InputError, match="row 5 holds a NaN or infinite value"):
+        load_embeddings(tmp_path / "nan.npy", 8)
+    bad[5, 1] = 1e300  # finite in float64, infinite once in float32
+    np.save(tmp_path / "big.npy", bad)
+    with pytest.raises(InputError, match="row 5 holds a NaN or infinite value"):
+        load_embeddings(tmp_path / "big.npy", 8)
+    np.save(tmp_path / "empty.npy", np.zeros((8, 0), np.float32))
+    with pytest.raises(InputError, match="no columns"):
+        load_embeddings(tmp_path / "empty.npy", 8)
 
 
 def test_top1_is_the_most_frequent_rank0_expert(small_meta):
