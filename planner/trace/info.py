@@ -33,7 +33,8 @@ class LoadAccumulator:
         self.load = np.zeros((meta.num_layers, meta.num_experts), np.int64)
         self.tokens = 0
         self._requests: set[int] = set()
-        self._seen_tokens = np.zeros(meta.vocab_size, bool)
+        # distinct ids seen, sorted: memory follows the trace, not vocab_size
+        self._seen_tokens = np.zeros(0, np.int64)
 
     def add(self, batch: TraceBatch) -> None:
         n, big_l = self.meta.num_experts, self.meta.num_layers
@@ -42,7 +43,7 @@ class LoadAccumulator:
         self.tokens += len(batch)
         self._requests.update(np.unique(batch.request_id).tolist())
         known = batch.token_id[batch.token_id >= 0]
-        self._seen_tokens[known] = True
+        self._seen_tokens = np.union1d(self._seen_tokens, known.astype(np.int64))
 
     @property
     def skewness(self) -> np.ndarray:
@@ -54,7 +55,7 @@ class LoadAccumulator:
         return {
             "tokens": int(self.tokens),
             "requests": len(self._requests),
-            "distinct_tokens": int(self._seen_tokens.sum()),
+            "distinct_tokens": int(self._seen_tokens.size),
             # null for a layer with no load (a zero-row trace): strict JSON has no NaN.
             "skewness_per_layer": [None if np.isnan(s) else round(float(s), 4) for s in skew],
             "skewness_mean": round(float(np.nanmean(skew)), 4) if self.tokens else None,

@@ -79,6 +79,10 @@ class TraceMeta:
             raise SchemaError(
                 f"trace metadata top_k={self.top_k} exceeds num_experts={self.num_experts}"
             )
+        if self.vocab_size > 2**31:
+            raise SchemaError(
+                f"trace metadata vocab_size={self.vocab_size} exceeds 2**31 (token ids are int32)"
+            )
         if self.num_experts > 32767:
             raise SchemaError(f"num_experts={self.num_experts} does not fit int16 expert ids")
         if len(self.moe_layer_indices) != self.num_layers:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -25,6 +26,23 @@ def test_summary_counts_and_skewness(tmp_path):
     s = trace_summary(path)
     assert s["tokens"] == 4 and s["requests"] == 2 and s["distinct_tokens"] == 3
     assert s["skewness_per_layer"] == [4.0, 1.0]
+
+
+def test_memory_does_not_follow_vocab_size(tmp_path):
+    # token ids are int32: a vocabulary of 2**31 ids is legal metadata; a [V] array is 2 GiB
+    meta = TraceMeta("m", num_layers=1, num_experts=2, top_k=1, vocab_size=2**31)
+    batch = TraceBatch.from_arrays(
+        [0, 0, 0], [0, 1, 2], [2**31 - 1, 7, 7], np.array([[[0]], [[1]], [[1]]]), np.ones((3, 1, 1))
+    )
+    path = write_trace(tmp_path / "t.parquet", meta, batch)
+    tracemalloc.start()
+    try:
+        s = trace_summary(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert s["distinct_tokens"] == 2 and s["vocab_size"] == 2**31
+    assert peak < 64 * 2**20, peak
 
 
 def test_cli_info_on_real_trace(capsys):

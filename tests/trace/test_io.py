@@ -164,6 +164,7 @@ def test_ids_and_shapes_must_agree_with_metadata(tmp_path, small_meta):
         ({"schema_version": 2}, "not supported"),
         ({"schema_version": "1"}, "schema_version '1' is not supported"),
         ({"num_layers": True}, "num_layers=True must be a positive integer"),
+        ({"vocab_size": 2**31 + 1}, r"exceeds 2\*\*31 \(token ids are int32\)"),
     ],
 )
 def test_metadata_validation(change, message):
