@@ -24,8 +24,8 @@ from typing import Any, cast
 import numpy as np
 import scipy.sparse as sp
 
-from planner.errors import InputError, MismatchError
-from planner.export.bundle import Bundle
+from planner.errors import InputError
+from planner.export.bundle import Bundle, check_compatible
 from planner.runtime_shim.tables import (
     assign_with_capacity,
     balanced_capacity,
@@ -169,11 +169,7 @@ def evaluate_bundle(bundle: Bundle, trace: Trace, config: EvalConfig | None = No
     """
     cfg = config or EvalConfig()
     meta = trace.meta
-    if meta.fingerprint() != bundle.meta.fingerprint():
-        raise MismatchError(
-            f"plan is for {bundle.meta.model!r} (fingerprint {bundle.meta.fingerprint()}), the "
-            f"trace is of {meta.model!r} (fingerprint {meta.fingerprint()})"
-        )
+    check_compatible(bundle, meta, "trace")
     big_l, n, k, e = meta.num_layers, meta.num_experts, meta.top_k, bundle.ep_size
     order = bundle.ngram_order
     lengths = _request_lengths(trace)

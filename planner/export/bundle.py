@@ -719,21 +719,10 @@ def check_compatible(bundle: Bundle, meta: TraceMeta, where: str = "trace") -> N
                 f"{name}={getattr(meta, name)} (model {meta.model!r}); use a bundle made "
                 "for this model"
             )
-    if tuple(b.moe_layer_indices) != tuple(meta.moe_layer_indices):
-        first = next(
-            i
-            for i, (x, y) in enumerate(
-                zip(b.moe_layer_indices, meta.moe_layer_indices, strict=True)
-            )
-            if x != y
-        )
-        raise MismatchError(
-            f"bundle MoE layer {first} is model layer {b.moe_layer_indices[first]}, in the "
-            f"{where} it is model layer {meta.moe_layer_indices[first]}; use a bundle made "
-            "for this model"
-        )
     if b.fingerprint() != meta.fingerprint():
         raise MismatchError(
             f"bundle was planned for model {b.model!r} (fingerprint {b.fingerprint()}), the "
             f"{where} is model {meta.model!r} (fingerprint {meta.fingerprint()})"
         )
+    if (differ := b.layer_mismatch(meta, ("the bundle", f"the {where}"))) is not None:
+        raise MismatchError(f"{differ}; use a bundle made for this model")

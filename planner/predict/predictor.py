@@ -120,6 +120,8 @@ class Predictor:
                 f"(L={meta.num_layers}, N={meta.num_experts}, k={meta.top_k}, "
                 f"V={meta.vocab_size}, fingerprint {meta.fingerprint()}); refit on matching data"
             )
+        if (differ := self.meta.layer_mismatch(meta, ("the predictor", f"the {what}"))) is not None:
+            raise MismatchError(f"{differ}; refit on matching data")
 
     # -- persistence -------------------------------------------------------------------------
 

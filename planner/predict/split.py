@@ -129,10 +129,17 @@ DOMAIN_COLUMN = "domain"
 
 def trace_domains(trace) -> list[str]:
     """Sorted distinct domains of ``trace`` (as strings); InputError without a domain column."""
-    if DOMAIN_COLUMN not in trace.extra_columns():
+    lacking = trace.parts_without(DOMAIN_COLUMN)
+    if len(lacking) == len(trace.parts):
         raise InputError(
             f"{trace.path}: has no {DOMAIN_COLUMN!r} column to split by; profile prompts that "
             'carry a "domain" field, or split by request (--holdout)'
+        )
+    if lacking:
+        raise InputError(
+            f"{lacking[0]}: has no {DOMAIN_COLUMN!r} column while other parts of {trace.path} "
+            f"do ({len(lacking)} of {len(trace.parts)} parts lack it); split by request "
+            "(--holdout), or profile those prompts again with their domains"
         )
     seen: set[str] = set()
     for batch in trace.iter_batches(extras=(DOMAIN_COLUMN,), weights=False, validate=False):

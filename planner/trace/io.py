@@ -336,6 +336,8 @@ class Trace:
                     f"than {self.parts[0].name} ({self.meta.model!r}, L={self.meta.num_layers}, "
                     f"N={self.meta.num_experts}, k={self.meta.top_k})"
                 )
+            if differ := meta.layer_mismatch(self.meta, (part.name, self.parts[0].name)):
+                raise MismatchError(f"{part}: part of other MoE layers: {differ}")
         self._schemas = [s for _, s, _ in metas]
         self.part_rows = [n for _, _, n in metas]
         self.num_rows = sum(self.part_rows)
@@ -344,7 +346,16 @@ class Trace:
         return f"Trace({str(self.path)!r}, rows={self.num_rows}, meta={self.meta})"
 
     def extra_columns(self) -> list[str]:
-        return [n for n in self._schemas[0].names if n not in REQUIRED_COLUMNS]
+        """Non-required columns every part has, in the first part's order."""
+        return [
+            n
+            for n in self._schemas[0].names
+            if n not in REQUIRED_COLUMNS and all(n in s.names for s in self._schemas[1:])
+        ]
+
+    def parts_without(self, column: str) -> list[Path]:
+        """The parts that lack ``column``."""
+        return [p for p, s in zip(self.parts, self._schemas, strict=True) if column not in s.names]
 
     def iter_batches(
         self,
@@ -419,7 +430,7 @@ class TraceWriter:
         existing = sorted(self.directory.glob(PART_GLOB))
         if existing:
             other = Trace(self.directory).meta
-            if other.fingerprint() != meta.fingerprint():
+            if other.fingerprint() != meta.fingerprint() or other.layer_mismatch(meta):
                 raise MismatchError(
                     f"{self.directory}: already holds a trace of {other.model!r}; "
                     f"refusing to add parts of {meta.model!r}"

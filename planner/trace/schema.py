@@ -108,6 +108,29 @@ class TraceMeta:
         )
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
+    def layer_mismatch(
+        self, other: TraceMeta, names: tuple[str, str] = ("one", "the other")
+    ) -> str | None:
+        """Where ``other`` records other model layers than this metadata, in words; else None.
+
+        ``names`` name this metadata's artifact and the other's in the words.
+
+        The fingerprint leaves ``moe_layer_indices`` out (artifacts made before it was
+        checked keep theirs), so data of the same shapes from other layers is caught here.
+        """
+        mine, theirs = self.moe_layer_indices, other.moe_layer_indices
+        if mine == theirs:
+            return None
+        first = next(
+            (i for i, (x, y) in enumerate(zip(mine, theirs, strict=False)) if x != y),
+            min(len(mine), len(theirs)),
+        )
+        return (
+            f"MoE layer {first} is model layer "
+            f"{mine[first] if first < len(mine) else 'none'} in {names[0]} and "
+            f"{theirs[first] if first < len(theirs) else 'none'} in {names[1]}"
+        )
+
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
         d["moe_layer_indices"] = list(self.moe_layer_indices)

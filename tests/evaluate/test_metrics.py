@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -154,5 +155,10 @@ def test_balanced_caps_every_batch_and_perfect_plan(tmp_path):
 def test_refuses_other_model(tmp_path, small_meta):
     path = write_trace(tmp_path / "t.parquet", small_meta, random_batch(small_meta, 10))
     other = TraceMeta("other", 3, 8, 2, 50)
-    with pytest.raises(MismatchError, match="fingerprint"):
+    with pytest.raises(MismatchError, match="bundle was planned for"):
         evaluate_bundle(_random_bundle(other, 2, 1, 0), open_trace(path))
+    shifted = dataclasses.replace(
+        small_meta, moe_layer_indices=tuple(i + 1 for i in small_meta.moe_layer_indices)
+    )
+    with pytest.raises(MismatchError, match="MoE layer 0 is model layer .* in the bundle"):
+        evaluate_bundle(_random_bundle(shifted, 2, 1, 0), open_trace(path))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -87,6 +88,11 @@ def test_fingerprint_mismatch(fitted, tmp_path):
     other = TraceMeta("another/model", m.num_layers, m.num_experts, m.top_k, m.vocab_size)
     with pytest.raises(MismatchError, match="fingerprint"):
         load_predictor(out, other)
+    # the same shapes recorded at other model layers: the fingerprint is equal, the data not
+    shifted = dataclasses.replace(m, moe_layer_indices=tuple(i + 1 for i in m.moe_layer_indices))
+    assert shifted.fingerprint() == m.fingerprint()
+    with pytest.raises(MismatchError, match="MoE layer 0 is model layer .* in the predictor"):
+        load_predictor(out, shifted)
 
 
 def test_destination_must_be_a_directory_it_may_replace(fitted, tmp_path):

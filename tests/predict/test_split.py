@@ -152,3 +152,30 @@ def test_a_config_files_random_split_settings_stand_down_for_a_domain_split(
         main([*args, "--fit-out", str(tmp_path / "f"), "--heldout-out", str(tmp_path / "h")]) == 0
     )
     assert "held out domain(s) 1 of 0, 1" in capsys.readouterr().out
+
+
+def test_a_part_without_the_domain_column(tmp_path, exact_trace):
+    # A part lacking a column the other parts have: split by domain names the part; split by
+    # request keeps the columns every part has (it used to fail on the first such part).
+    import shutil
+
+    from planner.predict.split import split_trace, split_trace_by_domain
+    from planner.trace import open_trace
+
+    from .conftest import chain_batch, write_batch
+
+    path, _ = exact_trace
+    d = tmp_path / "mixed"
+    if path.is_dir():
+        shutil.copytree(path, d)
+    else:
+        d.mkdir()
+        shutil.copy(path, d / "part-00000.parquet")
+    meta = open_trace(d).meta
+    write_batch(d / "part-99999.parquet", meta, chain_batch(meta, np.arange(6), np.full(6, 10**6)))
+    with pytest.raises(InputError, match="part-99999.parquet: has no 'domain' column while"):
+        split_trace_by_domain(d, tmp_path / "fit", tmp_path / "held", ["1"])
+    assert not (tmp_path / "fit").exists() and not (tmp_path / "held").exists()
+    s = split_trace(d, tmp_path / "fit", tmp_path / "held", 0.5, 0)
+    assert s["fit_tokens"] + s["heldout_tokens"] == open_trace(d).num_rows
+    assert "domain" not in open_trace(tmp_path / "fit").extra_columns()

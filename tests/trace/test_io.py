@@ -270,3 +270,18 @@ def test_from_arrays_refuses_ids_beyond_int32(small_meta):
         TraceBatch.from_arrays(
             batch.request_id, [-(2**31) - 1] * 4, batch.token_id, batch.experts, batch.weights
         )
+
+
+def test_parts_recording_other_layers(tmp_path, small_meta):
+    import dataclasses
+
+    d = tmp_path / "tr"
+    TraceWriter(d, small_meta).write(random_batch(small_meta, 10))
+    other = dataclasses.replace(small_meta, moe_layer_indices=(1, 3, 5))
+    assert other.moe_layer_indices != small_meta.moe_layer_indices
+    write_trace(d / "part-00001.parquet", other, random_batch(other, 10))
+    with pytest.raises(
+        MismatchError,
+        match=r"part of other MoE layers: MoE layer 1 is model layer 3 in part-00001\.parquet and 2 in part-00000",
+    ):
+        open_trace(d)
