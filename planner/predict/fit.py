@@ -43,10 +43,7 @@ from planner.predict.reliability import (
     spread_to_layers,
 )
 from planner.predict.split import RequestSplit, check_fraction, thin_counts
-from planner.trace.io import DEFAULT_BATCH_ROWS, open_trace
-
-# Written next to the trace parts by ``moeplan profile --save-embeddings``.
-PROFILE_EMBEDDINGS = "embeddings.safetensors"
+from planner.trace.io import DEFAULT_BATCH_ROWS, EMBEDDINGS_FILE, open_trace
 
 
 @dataclass(frozen=True)
@@ -128,12 +125,8 @@ def fit_predictor(path: str | Path, config: FitConfig = FitConfig()) -> FitResul
         raise InputError(
             f"{path}: --model, --domain, --eval-domain and shape flags apply to counts tables only"
         )
-    if (
-        config.embeddings is None
-        and config.auto_embeddings
-        and (path / PROFILE_EMBEDDINGS).is_file()
-    ):
-        config = replace(config, embeddings=str(path / PROFILE_EMBEDDINGS))
+    if config.embeddings is None and config.auto_embeddings and (path / EMBEDDINGS_FILE).is_file():
+        config = replace(config, embeddings=str(path / EMBEDDINGS_FILE))
     return _fit_trace(path, config)
 
 

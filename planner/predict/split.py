@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from scipy import sparse
 from planner._io import atomic_path, check_output
 from planner.errors import InputError
 from planner.predict.counts import TokenExpertCounts
-from planner.trace.io import TraceWriter, open_trace
+from planner.trace.io import EMBEDDINGS_FILE, TraceWriter, open_trace
 
 
 def check_fraction(fraction: float, what: str = "holdout") -> float:
@@ -205,6 +206,11 @@ def _write_sides(trace, fit_out, heldout_out, heldout_mask) -> dict:
                     writers[side].write(batch.select(mask))
                     counts[side] += int(mask.sum())
                     requests[side].update(np.unique(batch.request_id[mask]).tolist())
+        # the model's embeddings, for `moeplan fit` on either side (nearest-token fallback)
+        embeddings = trace.path / EMBEDDINGS_FILE if trace.path.is_dir() else None
+        if embeddings is not None and embeddings.is_file():
+            for tmp in (fit_tmp, held_tmp):
+                shutil.copyfile(embeddings, Path(tmp) / EMBEDDINGS_FILE)
     return {
         "fit_tokens": counts["fit"],
         "heldout_tokens": counts["heldout"],

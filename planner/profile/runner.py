@@ -52,10 +52,9 @@ from planner.profile.checkpoint import (
 from planner.profile.prompts import Prompt, read_prompts
 from planner.profile.routers import RoutingRecorder, find_routers
 from planner.trace.info import LoadAccumulator
-from planner.trace.io import PART_GLOB, TraceBatch, TraceWriter, open_trace
+from planner.trace.io import EMBEDDINGS_FILE, PART_GLOB, TraceBatch, TraceWriter, open_trace
 from planner.trace.schema import TraceMeta
 
-EMBEDDINGS_FILE = "embeddings.safetensors"
 EMBEDDINGS_TENSOR = "embeddings"
 SETTINGS_FILE = "profile.json"
 DEVICES = ("cpu", "cuda")

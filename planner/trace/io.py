@@ -28,6 +28,9 @@ from planner.trace.schema import (
 )
 
 PART_GLOB = "part-*.parquet"
+# The model's input embeddings [V, d] that ``moeplan profile --save-embeddings`` writes next
+# to the parts (a property of the model, not of the traffic: a split carries it to both sides).
+EMBEDDINGS_FILE = "embeddings.safetensors"
 _PART_RE = re.compile(r"^part-(\d+)\.parquet$")
 DEFAULT_BATCH_ROWS = 65536
 _INT32 = np.iinfo(np.int32)

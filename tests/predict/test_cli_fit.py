@@ -60,6 +60,19 @@ def test_embeddings_next_to_the_trace_are_used(tmp_path, capsys):
     assert report["fallback"] == "global" and report["unseen_with_global_fallback"] is None
 
 
+def test_a_split_carries_the_embeddings_to_both_sides(tmp_path, capsys):
+    # `trace split` then `fit` on a side: the side has the model's embeddings as the trace did
+    trace_dir = twin_trace(tmp_path / "trace")
+    fit_side, held_side = tmp_path / "fit", tmp_path / "held"
+    assert main(["trace", "split", str(trace_dir), "--fit-out", str(fit_side),
+                 "--heldout-out", str(held_side)]) == 0  # fmt: skip
+    source = (trace_dir / "embeddings.safetensors").read_bytes()
+    for side in (fit_side, held_side):
+        assert (side / "embeddings.safetensors").read_bytes() == source
+    data = run_json(capsys, ["fit", str(fit_side), "--out", str(tmp_path / "p"), "--json"])
+    assert data["fit"]["embeddings"] == str(fit_side / "embeddings.safetensors")
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

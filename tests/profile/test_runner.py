@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from planner.errors import InputError
 from planner.profile import ProfileConfig, profile_model
-from planner.profile.runner import EMBEDDINGS_FILE, ProfileSession
-from planner.trace.io import open_trace
+from planner.profile.runner import ProfileSession
+from planner.trace.io import EMBEDDINGS_FILE, open_trace
 from tests.profile.tiny_models import ARCH_CONFIGS, EXPECTED_MOE_LAYERS, sample_texts, write_prompts
 
 NUM_PROMPTS = 12
