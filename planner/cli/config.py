@@ -19,8 +19,9 @@ the arguments' names (``predictor``)::
 
 The values become the commands' defaults (click's ``default_map``), so an option given on
 the command line wins over the file, and a required option (``--ep``) may come from the
-file alone. Values go through the same parsing and checks as typed ones. An unknown table
-or key is an error that lists the valid ones; a table value for an option that takes JSON
+file alone. Values go through the same parsing and checks as typed ones, and must have the
+option's TOML type first (``ep = 4``, not ``"4"`` or ``true``; a flag takes true or false).
+An unknown table or key is an error that lists the valid ones; a table value for an option that takes JSON
 (``--options``) is passed as JSON, a list for a comma-separated option (``--methods``) is
 joined with commas. A nightly job can then keep its whole pipeline in one reviewed file.
 """
@@ -60,11 +61,43 @@ def _shown(command: Any) -> list[str]:
     return sorted({n for p in _exposed(command) for n in _flags(p) or [p.name.replace("_", "-")]})
 
 
-def _value(value: Any) -> Any:
+def _kind(param: Any) -> type | None:
+    """The Python type a parameter takes (int, float, bool or str; None: another)."""
+    annotation = getattr(getattr(param, "type_descriptor", None), "annotation", None)
+    if annotation in (int, float, bool, str):
+        return annotation
+    name = str(getattr(getattr(param, "type", None), "name", ""))  # click's own types
+    return {"integer": int, "float": float, "boolean": bool, "text": str}.get(name)
+
+
+# What each kind of option takes from TOML, for the error message.
+_WANTED = {int: "an integer", float: "a number", bool: "true or false"}
+
+
+def _value(value: Any, param: Any, where: str, key: str) -> Any:
+    """``value`` from the TOML table as the option takes it, or :class:`InputError`.
+
+    TOML values are typed: a number option takes a number, not a string that click would
+    parse (or a boolean, which Python counts as an integer: ``ep = true`` is not EP 1); a
+    flag takes true or false.
+    """
+    kind = _kind(param)
+    if kind in _WANTED:
+        ok = isinstance(value, bool) if kind is bool else (
+            isinstance(value, int if kind is int else int | float)
+            and not isinstance(value, bool)
+        )  # fmt: skip
+        if not ok:
+            raise InputError(f"{where}: {key} must be {_WANTED[kind]}, not {value!r}")
+        return value
     if isinstance(value, dict):
         return json.dumps(value)  # --options and the like take JSON
-    if isinstance(value, list) and all(isinstance(v, str | int | float) for v in value):
+    if isinstance(value, list) and all(
+        isinstance(v, str | int | float) and not isinstance(v, bool) for v in value
+    ):
         return ",".join(str(v) for v in value)  # --methods ceo,kmeans
+    if isinstance(value, bool) or not isinstance(value, str | int | float):  # a date, a flag
+        raise InputError(f"{where}: {key} must be a string, not {value!r}")
     return value
 
 
@@ -84,12 +117,13 @@ def _defaults(table: dict[str, Any], command: Any, where: str) -> dict[str, Any]
             out[name] = _defaults(sub, subcommands[name], f"{where} [{name}]")
         return out
     names = _names(command)
+    params = {p.name: p for p in _exposed(command)}
     out = {}
     for key, value in table.items():
         if key not in names:
             known = ", ".join(_shown(command))
             raise InputError(f"{where}: {key!r} is not an option here; options: {known}")
-        out[names[key]] = _value(value)
+        out[names[key]] = _value(value, params[names[key]], where, key)
     return out
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import typer
 from rich.table import Table
 
+from planner._io import check_output
 from planner.cli.app import app, console, err_console
 from planner.errors import InputError
 from planner.evaluate import EvalConfig
@@ -38,6 +40,25 @@ def _options(text: str | None) -> dict:
             f"its keys are methods: {', '.join(SOLVERS)}"
         )
     return opts
+
+
+def _check_lp_path(opts: dict, inputs: tuple, outputs: tuple = ()) -> None:
+    """The ILP's ``lp_path`` may not replace one of the command's inputs (a file of the
+    predictor directory) nor lie in or on one of its outputs (the plan directory, which
+    the plan then replaces): checked before the work."""
+    ilp = opts.get("ilp")
+    lp_path = ilp.get("lp_path") if isinstance(ilp, dict) else None
+    if not (isinstance(lp_path, str) and lp_path):
+        return
+    here = Path(lp_path).resolve()
+    for out in filter(None, outputs):
+        if here == Path(out).resolve() or Path(out).resolve() in here.parents:
+            raise InputError(
+                f"ilp lp_path {lp_path}: the command writes {out} there; choose another path"
+            )
+    check_output(
+        lp_path, marker=None, what="LP file (ilp lp_path)", inputs=tuple(filter(None, inputs))
+    )
 
 
 @app.command("solve")
@@ -86,9 +107,11 @@ def solve(
 ) -> None:
     """Place every layer's experts on E devices and give every token a device."""
     check_plan_output(out, inputs=(predictor,))  # before the work, not after it
+    opts = _options(options)
+    _check_lp_path(opts, (predictor,), (out,))
     pred = load_predictor(predictor)
     config = PlanConfig(
-        method, ep, beta, seed, jobs, time_limit, ngram_order, _options(options), ngram_weight,
+        method, ep, beta, seed, jobs, time_limit, ngram_order, opts, ngram_weight,
         chain_passes, ngram_defer,
     )  # fmt: skip
     plan = make_plan(pred, config, progress=not as_json)
@@ -157,16 +180,20 @@ def compare(
     if plot:
         check_plot_path(plot)
     names = list(dict.fromkeys(m.strip() for m in methods.split(",") if m.strip()))  # once each
+    if not names:
+        raise InputError(f"--methods {methods!r} names no method; choose from {', '.join(SOLVERS)}")
     unknown = [m for m in names if m not in SOLVERS]
-    if unknown or not names:
+    if unknown:
         raise InputError(
-            f"unknown method(s) {', '.join(unknown) or methods!r}; choose from {', '.join(SOLVERS)}"
+            f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(SOLVERS)}"
         )
+    opts = _options(options)
+    _check_lp_path(opts, (predictor, heldout, fitting), (plot,))
     pred = load_predictor(predictor)
     trace = open_trace(heldout)
     fitting_trace = None if fitting is None else open_trace(fitting)
     config = PlanConfig(
-        names[0], ep, beta, seed, jobs, time_limit, ngram_order, _options(options), ngram_weight,
+        names[0], ep, beta, seed, jobs, time_limit, ngram_order, opts, ngram_weight,
         chain_passes, ngram_defer,
     )  # fmt: skip
     result = compare_methods(

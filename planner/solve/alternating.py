@@ -107,7 +107,10 @@ def cluster_tokens(
     unit = sparse.diags(np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0)) @ w
     seeds_from = problem.heaviest_rows(2048)
     pool = unit[seeds_from].toarray()
-    pool_w = row_mass[seeds_from] / max(row_mass[seeds_from].sum(), 1e-300)
+    pool_mass = row_mass[seeds_from]
+    if pool_mass.sum() <= 0:  # no row has activations (W = 0): every seed equally likely
+        pool_mass = np.ones(seeds_from.size)
+    pool_w = pool_mass / pool_mass.sum()
     # greedy k-means++: of a few distance-weighted draws, keep the one that covers most
     trials = 2 + int(np.log(e))
     chosen = [int(rng.choice(seeds_from.size, p=pool_w))]

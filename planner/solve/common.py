@@ -78,14 +78,17 @@ def device_gains(
     w, e = problem.affinity, problem.ep_size
     charge(effort, "device_gains", entries=w.nnz + problem.num_tokens * e)
     key = problem.nnz_rows * e + expert_to_device[w.indices]
-    return np.bincount(key, weights=w.data, minlength=problem.num_tokens * e).reshape(-1, e)
+    # float64 even when W has no nonzeros (bincount of nothing returns int64)
+    gains = np.bincount(key, weights=w.data, minlength=problem.num_tokens * e)
+    return gains.astype(np.float64, copy=False).reshape(-1, e)
 
 
 def expert_scores(problem: LayerProblem, token_to_device: np.ndarray) -> np.ndarray:
     """M [E, N] float64: activations of each expert by the tokens sent to each device."""
     w, n = problem.affinity, problem.num_experts
     key = token_to_device[problem.nnz_rows] * n + w.indices
-    return np.bincount(key, weights=w.data, minlength=problem.ep_size * n).reshape(-1, n)
+    scores = np.bincount(key, weights=w.data, minlength=problem.ep_size * n)
+    return scores.astype(np.float64, copy=False).reshape(-1, n)  # float64 when W is empty
 
 
 # Token assignment ---------------------------------------------------------------------------

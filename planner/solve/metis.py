@@ -54,13 +54,29 @@ DEFAULTS: dict[str, object] = {
 KINDS = {"ncuts": "count+", "edge_scale": "number?"}  # see common.check_options
 # METIS sums integer weights in 32 bits; keep totals well inside.
 _MAX_TOTAL_WEIGHT = 2**30
+# Largest option values taken: METIS's integers are 64-bit (a larger ufactor or seed is a
+# TypeError in pymetis, a larger expert weight overflows the vertex weights), and far below
+# these the balance constraint already binds nothing.
+_MAX_UFACTOR = 10**9
+_MAX_EXPERT_WEIGHT = 1e6
+_SEED_MODULUS = 2**63
 
 
 def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     started = time.perf_counter()
     opts = check_options("metis", config.for_method("metis"), DEFAULTS, KINDS)
-    if min(_as_tuple(opts["ufactors"])) < 1:  # METIS refuses a zero tolerance
-        raise InputError(f"metis: ufactors={opts['ufactors']!r} must each be >= 1")
+    ufactors = _as_tuple(opts["ufactors"])
+    if not all(1 <= u <= _MAX_UFACTOR and u == int(u) for u in ufactors):
+        # METIS refuses a zero tolerance, and takes integers only
+        raise InputError(
+            f"metis: ufactors={opts['ufactors']!r} must each be >= 1, whole, and at most "
+            f"{_MAX_UFACTOR:g}"
+        )
+    if max(_as_tuple(opts["expert_weights"])) > _MAX_EXPERT_WEIGHT:
+        raise InputError(
+            f"metis: expert_weights={opts['expert_weights']!r} must each be at most "
+            f"{_MAX_EXPERT_WEIGHT:g}"
+        )
     adjacency, eweights, token_w = _bipartite_graph(problem, opts)
     settings = [
         (float(ew), int(uf), cut)
@@ -73,7 +89,8 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
         expert_weight, ufactor, cut = setting
         expert_w = max(int(round(expert_weight * token_w.sum() / problem.num_experts)), 0)
         vweights = np.concatenate((np.full(problem.num_experts, expert_w, dtype=np.int64), token_w))
-        options = pymetis.Options(seed=int(config.seed) + cut, ufactor=ufactor)
+        seed = (int(config.seed) + cut) % _SEED_MODULUS  # any seed: METIS's are 64-bit
+        options = pymetis.Options(seed=seed, ufactor=ufactor)
         with _c_stdout_silenced():
             _, membership = pymetis.part_graph(
                 problem.ep_size, adjacency, vweights=vweights, eweights=eweights, options=options

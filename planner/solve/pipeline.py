@@ -63,7 +63,7 @@ from planner.solve.metrics import token_table
 from planner.solve.ngram_term import DEFAULT_WEIGHT, NgramTerm
 from planner.solve.plan import Plan, solve_model
 from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig
-from planner.solve.registry import get_solver
+from planner.solve.registry import check_method_options, get_solver
 from planner.trace.schema import TraceMeta
 
 # Sweeps of the chain polish a plan may ask for.
@@ -116,12 +116,13 @@ class PlanConfig:
 
     def __post_init__(self) -> None:
         get_solver(self.method)
+        check_method_options(self.options)  # before any layer is solved
         if not 1 <= self.ngram_order <= 3:
             raise InputError(f"ngram_order={self.ngram_order} must be 1, 2 or 3")
         if self.jobs < 1:
             raise InputError(f"jobs={self.jobs} must be at least 1")
-        if self.beta < 1:
-            raise InputError(f"beta={self.beta} must be >= 1")
+        if not (math.isfinite(self.beta) and self.beta >= 1):
+            raise InputError(f"beta={self.beta} must be a finite number >= 1")
         if not (math.isfinite(self.ngram_weight) and self.ngram_weight >= 0):
             raise InputError(f"ngram_weight={self.ngram_weight} must be a number >= 0")
         if not 0 <= self.chain_passes <= MAX_CHAIN_PASSES:

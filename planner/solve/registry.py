@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 from planner.errors import InputError
 from planner.solve import alternating, ceo, ilp, kmeans, metis, vanilla
+from planner.solve.common import check_options
 from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig
 
 Solver = Callable[[LayerProblem, SolverConfig], LayerPlacement]
@@ -33,6 +35,39 @@ OPTION_DEFAULTS: dict[str, dict[str, object]] = {
     "alternating": alternating.DEFAULTS,
     "vanilla": vanilla.DEFAULTS,
 }
+
+
+# Each solver's option kinds beyond what its defaults say (planner.solve.common.check_options).
+OPTION_KINDS: dict[str, dict[str, str]] = {
+    "ceo": ceo.KINDS,
+    "ilp": ilp.KINDS,
+    "metis": metis.KINDS,
+    "kmeans": kmeans.KINDS,
+    "alternating": {},
+    "vanilla": {},
+}
+
+
+def check_method_options(options: dict[str, Any]) -> None:
+    """Check every method's option dict in ``options`` (``SolverConfig.options``): method
+    names, option names and kinds; :class:`InputError` on the first problem.
+
+    The solvers check their own options again when they run (with the value checks that
+    need their logic); this catches a typo before any layer is solved, also in the options
+    of a method that is not run (``moeplan compare`` gives one dict to several methods).
+    """
+    if not isinstance(options, dict):
+        raise InputError(f"options must be a dict of per-method dicts, got {options!r}")
+    unknown = sorted(set(options) - set(SOLVERS))
+    if unknown:
+        raise InputError(
+            f"options name no solver {', '.join(map(repr, unknown))}; "
+            f"its keys are methods: {', '.join(SOLVERS)}"
+        )
+    for method, given in options.items():
+        if not isinstance(given, dict):
+            raise InputError(f"options[{method!r}] must be a dict, got {type(given).__name__}")
+        check_options(method, given, OPTION_DEFAULTS[method], OPTION_KINDS[method])
 
 
 def get_solver(method: str) -> Solver:

@@ -110,3 +110,35 @@ def test_the_example_config_names_only_real_options():
     assert defaults["solve"] == {"method": "ceo", "ep": 4, "jobs": 2}
     assert defaults["compare"]["methods"] == "ceo,metis,kmeans,alternating,ilp,vanilla"
     assert defaults["trace"]["split"] == {"holdout": 0.5, "seed": 0}
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[solve]\nep = true\n", "[solve]: ep must be an integer, not True"),
+        ("[solve]\nep = 4.5\n", "[solve]: ep must be an integer, not 4.5"),
+        ('[solve]\nep = "four"\n', "[solve]: ep must be an integer, not 'four'"),
+        ('[solve]\nep = 2\nbeta = "x"\n', "[solve]: beta must be a number, not 'x'"),
+        ('[solve]\nep = 2\nngram-defer = "no"\n', "ngram-defer must be true or false, not 'no'"),
+        ("[solve]\nep = 2\ntime-limit = 1979-05-27\n", "time-limit must be a number"),
+        ("[solve]\nep = 2\nmethod = true\n", "method must be a string, not True"),
+    ],
+)
+def test_values_of_the_wrong_type_are_one_line_errors(setup, tmp_path, capsys, text, message):
+    """``ep = true`` was taken as EP 1 (a bool is an int to Python), and a string for a
+    number was click's multi-line usage error that did not name the file."""
+    cfg = _config(tmp_path, text)
+    capsys.readouterr()
+    args = ["--config", cfg, "solve", str(setup / "pred"), "--out", str(tmp_path / "p")]
+    assert main([*args, "--method", "vanilla"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moeplan: error: --config") and message in err and "\n" not in err
+    assert not (tmp_path / "p").exists()
+
+
+def test_non_utf8_config_is_one_line(tmp_path, capsys):
+    path = tmp_path / "bad.toml"
+    path.write_bytes(b"[solve]\nep = 4\n\xff\xfe = 1\n")
+    assert main(["--config", str(path), "trace", "info", "x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moeplan: error: --config") and "not valid TOML" in err

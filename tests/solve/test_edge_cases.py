@@ -1,0 +1,175 @@
+"""Edge cases of the solvers, the plan pipeline and ``moeplan solve``/``compare``: degenerate
+layers, option values at the limits, and output paths that would lose or clobber a file."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from planner.cli.main import main
+from planner.errors import InputError
+from planner.predict.fit import FitConfig, fit_predictor
+from planner.solve.common import device_gains, expert_scores
+from planner.solve.pipeline import PlanConfig
+from planner.solve.plan import check_plan_output
+from planner.solve.problem import LayerProblem, SolverConfig
+from planner.solve.registry import SOLVERS, solve_layer
+from planner.trace.synth import SynthConfig, synthesize
+from tests.solve.instances import random_problem
+
+METHODS = sorted(SOLVERS)
+FAST = {"ilp": {"max_variables": 3000}, "ceo": {"iterations": 4, "restarts": 0}}
+SYNTH = SynthConfig(
+    num_layers=2, num_experts=8, top_k=2, vocab_size=60, num_tokens=600, num_requests=6,
+    num_domains=1, seed=1,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def predictor_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("edge")
+    trace = synthesize(SYNTH, d / "trace")
+    fit_predictor(trace, FitConfig()).predictor.save(d / "pred")
+    return d
+
+
+# Degenerate layers ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_layer_whose_tokens_activate_nothing_gets_a_valid_placement(method: str) -> None:
+    """Tokens with load but an all-zero W (nothing to make local): bincount over no nonzeros
+    gave int64 gains, on which CEO's swap search failed, and alternating's seeding drew from
+    all-zero weights."""
+    problem = LayerProblem(np.zeros((6, 8)), np.arange(1.0, 7.0), 2)
+    config = SolverConfig(seed=4, time_limit=5, options=FAST)
+    a = solve_layer(problem, method, config)
+    a.validate(problem)
+    assert a.local_rate == 0.0 and math.isfinite(a.token_imbalance)
+    b = solve_layer(problem, method, config)
+    np.testing.assert_array_equal(a.expert_to_device, b.expert_to_device)
+    np.testing.assert_array_equal(a.token_to_device, b.token_to_device)
+
+
+def test_gains_and_scores_are_float_without_activations() -> None:
+    problem = LayerProblem(np.zeros((3, 4)), np.ones(3), 2)
+    x = np.array([0, 0, 1, 1])
+    assert device_gains(problem, x).dtype == np.float64
+    assert expert_scores(problem, np.zeros(3, dtype=np.int64)).dtype == np.float64
+
+
+# Option values at the limits --------------------------------------------------------------------
+
+
+def test_metis_takes_any_seed() -> None:
+    """pymetis takes 64-bit seeds; a larger (valid) seed was a TypeError."""
+    problem = random_problem(40, 8, 2, seed=1)
+    for seed in (2**63, 2**70):
+        p = solve_layer(problem, "metis", SolverConfig(seed=seed, options={"metis": {"ncuts": 2}}))
+        p.validate(problem)
+        assert p.seed == seed
+
+
+@pytest.mark.parametrize(
+    "opts, message",
+    [
+        ({"ufactors": 1e30}, "ufactors=1e+30 must each be >= 1, whole, and at most 1e+09"),
+        ({"ufactors": [30, 2.5]}, "must each be >= 1, whole"),
+        ({"ufactors": 0}, "ufactors=0 must each be"),  # as before: a regression check
+        ({"expert_weights": 1e30}, "expert_weights=1e+30 must each be at most"),
+    ],
+)
+def test_metis_option_values_out_of_range_are_one_input_error(opts: dict, message: str) -> None:
+    """Before: a TypeError from pymetis (ufactor beyond 64 bits), an OverflowError (vertex
+    weights beyond 64 bits), or a fractional tolerance silently truncated."""
+    problem = random_problem(40, 8, 2, seed=1)
+    with pytest.raises(InputError, match=message.replace("+", r"\+").replace("[", r"\[")):
+        solve_layer(problem, "metis", SolverConfig(options={"metis": opts}))
+
+
+@pytest.mark.parametrize("beta", [math.nan, math.inf, -math.inf])
+def test_plan_config_refuses_a_beta_that_is_not_a_finite_number_of_at_least_1(beta) -> None:
+    """nan and inf passed PlanConfig and failed only once the layers were built, with a
+    message about beta < 1."""
+    with pytest.raises(InputError, match="must be a finite number >= 1"):
+        PlanConfig(ep_size=4, beta=beta)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"ceo": {"efort": 1e6}}, "ceo: unknown option"),
+        ({"ilp": {"max_variables": "many"}}, "ilp: max_variables='many' must be"),
+        ({"ceo": 5}, r"options\['ceo'\] must be a dict"),
+        ({"magic": {}}, "name no solver 'magic'"),
+    ],
+)
+def test_plan_config_checks_the_options_of_every_method(options: dict, message: str) -> None:
+    """A typo in the options of a method other than the one solved (compare gives one dict
+    to several methods; a config file may keep several) was accepted without a word."""
+    with pytest.raises(InputError, match=message):
+        PlanConfig("kmeans", ep_size=4, options=options)
+
+
+# Output paths ---------------------------------------------------------------------------------
+
+
+def test_plan_output_under_a_file_or_through_a_link_is_refused_up_front(tmp_path) -> None:
+    (tmp_path / "afile").write_text("keep")
+    with pytest.raises(InputError, match="is a file, not a directory"):
+        check_plan_output(tmp_path / "afile" / "plan")
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    with pytest.raises(InputError, match="is a symbolic link"):
+        check_plan_output(tmp_path / "link")
+    assert (tmp_path / "afile").read_text() == "keep"
+
+
+def test_solve_out_under_a_file_is_one_line_before_the_work(predictor_dir, tmp_path, capsys):
+    """It was a FileExistsError traceback (exit 1) when the finished plan was saved."""
+    (tmp_path / "afile").write_text("keep")
+    args = ["solve", str(predictor_dir / "pred"), "--ep", "2", "--method", "vanilla"]
+    capsys.readouterr()
+    assert main([*args, "--out", str(tmp_path / "afile" / "plan")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moeplan: error:") and "is a file" in err and "\n" not in err
+    assert (tmp_path / "afile").read_text() == "keep"
+
+
+def test_ilp_lp_path_never_replaces_an_input_or_lands_in_the_plan(predictor_dir, tmp_path, capsys):
+    """--options '{"ilp": {"lp_path": "PRED/predictor.json"}}' overwrote the predictor's own
+    file with the LP program (and the solve then reported success)."""
+    pred = predictor_dir / "pred"
+    before = {p.name: p.read_bytes() for p in pred.iterdir()}
+    plan = tmp_path / "plan"
+    base = ["solve", str(pred), "--ep", "2", "--method", "ilp", "--time-limit", "2"]
+    for lp_path, message in (
+        (pred / "predictor.json", "reads its input"),
+        (pred, "reads its input"),
+        (plan / "layer.lp", "writes"),
+    ):
+        opts = json.dumps({"ilp": {"max_variables": 200, "lp_path": str(lp_path)}})
+        capsys.readouterr()
+        assert main([*base, "--out", str(plan), "--options", opts]) == 2, lp_path
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("moeplan: error:") and message in err and "\n" not in err
+    assert {p.name: p.read_bytes() for p in pred.iterdir()} == before
+    assert not plan.exists()
+    held = str(predictor_dir / "trace")
+    opts = json.dumps({"ilp": {"lp_path": str(predictor_dir / "trace")}})
+    args = ["compare", str(pred), held, "--ep", "2", "--methods", "vanilla", "--options", opts]
+    assert main(args) == 2
+    assert "reads its input" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("methods", ["", " , ", ",,"])
+def test_compare_with_no_method_says_so(predictor_dir, capsys, methods: str) -> None:
+    args = ["compare", str(predictor_dir / "pred"), str(predictor_dir / "trace"), "--ep", "2"]
+    capsys.readouterr()
+    assert main([*args, "--methods", methods]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moeplan: error:") and "names no method" in err
