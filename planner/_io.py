@@ -67,7 +67,8 @@ def check_output(
     may replace a file, never a directory, nor a file inside one of the ``inputs``. Either
     kind refuses one of the command's ``inputs`` or a directory holding one (replacing it
     would delete the input while the command reads it). So a mistyped output path deletes
-    nothing.
+    nothing. A path under an existing file, and a directory artifact's path that is a symbolic
+    link, are refused too: the write would fail once the work is done.
     """
     path = Path(path)
     here = path.resolve()
@@ -77,10 +78,18 @@ def check_output(
             raise InputError(
                 f"{path}: the command reads its input {given} there; choose another output path"
             )
+    for parent in path.absolute().parents:  # its directory could not be made
+        if parent.exists() and not parent.is_dir():
+            raise InputError(f"{path}: {parent} is a file, not a directory; choose another path")
     if marker is None:
         if path.is_dir():
             raise InputError(f"{path}: is a directory; a {what} is a file")
         return path
+    if path.is_symlink():  # the atomic write would have to replace the link by a directory
+        raise InputError(
+            f"{path}: is a symbolic link; give the {what} directory itself "
+            f"({path.resolve()}) or another output path"
+        )
     if path.exists() and not path.is_dir():
         raise InputError(f"{path}: exists and is a file; a {what} is a directory")
     if path.is_dir() and any(path.iterdir()) and not any(path.glob(marker)):

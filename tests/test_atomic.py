@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from planner._io import atomic_path
+from planner._io import atomic_path, check_output
+from planner.cli.main import main
 from planner.errors import InputError
+from tests.conftest import FLAME_TRACE, require
 
 
 def test_a_directory_never_replaces_a_file_nor_a_file_a_directory(tmp_path):
@@ -33,3 +35,26 @@ def test_a_directory_replaces_an_earlier_one(tmp_path):
             (tmp / "x").write_text(text)
     assert (dest / "x").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+
+
+def test_outputs_that_could_not_be_written_are_refused_before_the_work(tmp_path, capsys):
+    # check_output runs before a command's work: a path under a file, or a directory
+    # artifact's path that is a symbolic link, would fail only once the work is done
+    afile = tmp_path / "f"
+    afile.write_text("keep")
+    for marker in (None, "plan.json"):
+        with pytest.raises(InputError, match=f"{afile} is a file, not a directory"):
+            check_output(afile / "sub" / "out", marker=marker, what="thing")
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    with pytest.raises(InputError, match="is a symbolic link; give the plan directory itself"):
+        check_output(tmp_path / "link", marker="plan.json", what="plan")
+    # every command that writes goes through it: e.g. fit and trace synth, in one line
+    for args in (
+        ["fit", str(require(FLAME_TRACE)), "--out", str(afile / "pred")],
+        ["trace", "synth", "--out", str(afile / "t"), "--tokens", "100", "--requests", "4"],
+    ):
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "is a file, not a directory" in err[0], err
+    assert afile.read_text() == "keep"

@@ -52,21 +52,7 @@ PLAN_FILE = "plan.json"  # marks a plan directory
 
 
 def check_plan_output(path: str | Path, inputs: tuple = ()) -> Path:
-    """``path`` as a Path if a plan may be written there (:func:`planner._io.check_output`).
-
-    Also refused, before any work rather than when the finished plan is saved: a symbolic
-    link (the atomic write replaces the link itself, which a directory cannot do), and a
-    path under an existing file (its directory cannot be made).
-    """
-    path = Path(path)
-    if path.is_symlink():
-        raise InputError(
-            f"{path}: is a symbolic link; give the plan directory itself "
-            f"({path.resolve()}) or another output path"
-        )
-    for parent in path.absolute().parents:
-        if parent.exists() and not parent.is_dir():
-            raise InputError(f"{path}: {parent} is a file, not a directory; choose another path")
+    """``path`` as a Path if a plan may be written there (:func:`planner._io.check_output`)."""
     return check_output(path, marker=PLAN_FILE, what="plan", inputs=inputs)
 
 
