@@ -51,7 +51,9 @@ side. It also keeps HiGHS near its time limit: under a 10 s limit the example's 
 and the 64-expert EP 32 layer above 12.8 s instead of 76 s.
 
 Solvers: HiGHS through its Python API (``pulp.HiGHS``, needs highspy) or CBC
-(``pulp.PULP_CBC_CMD``). ``lp_path`` writes the program in LP format before solving.
+(``pulp.PULP_CBC_CMD``). ``lp_path`` writes the program in LP format before solving; a
+layer of a model solve writes its own file, the layer's index before the suffix
+(``prog.lp`` -> ``prog.layer3.lp``), so no layer's program replaces another's.
 """
 
 from __future__ import annotations
@@ -100,7 +102,10 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     start = _start(sub) if opts["start"] else None
     prog, x_vars, y_vars = build_program(sub, symmetry_breaking=symmetry, start=start)
     if opts["lp_path"]:
-        with atomic_path(Path(str(opts["lp_path"]))) as tmp:
+        lp_path = Path(str(opts["lp_path"]))
+        if problem.layer is not None:
+            lp_path = lp_path.with_name(f"{lp_path.stem}.layer{problem.layer}{lp_path.suffix}")
+        with atomic_path(lp_path) as tmp:
             prog.writeLP(str(tmp))
     solve_started = time.perf_counter()
     prog.solve(solver)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import numpy as np
@@ -238,6 +239,14 @@ def test_ilp_writes_the_program_and_cbc_agrees(tmp_path) -> None:
     presolved = solve_layer(problem, "ilp", SolverConfig(options={"ilp": {"presolve": True}}))
     assert presolved.info["status"] == "optimal"
     assert presolved.objective == pytest.approx(highs.objective)
+    # the layers of a model solve each write their own program (one file was overwritten by
+    # every layer, the last one to finish winning)
+    from planner.solve.plan import solve_model
+
+    layers = [dataclasses.replace(_tiny(s, 2), layer=s) for s in (0, 1)]
+    solve_model(layers, "ilp", SolverConfig(options={"ilp": {"lp_path": str(lp)}}), progress=False)
+    first, second = ((tmp_path / f"layer.layer{s}.lp").read_text() for s in (0, 1))
+    assert first == text and second != text  # layer 0 is the instance written above
 
 
 def test_ilp_on_too_large_instances_keeps_the_frequent_tokens(small_problem) -> None:
