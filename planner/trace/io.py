@@ -433,10 +433,15 @@ class TraceWriter:
         existing = sorted(self.directory.glob(PART_GLOB))
         if existing:
             other = Trace(self.directory).meta
-            if other.fingerprint() != meta.fingerprint() or other.layer_mismatch(meta):
+            if other.fingerprint() != meta.fingerprint():
                 raise MismatchError(
                     f"{self.directory}: already holds a trace of {other.model!r}; "
                     f"refusing to add parts of {meta.model!r}"
+                )
+            if differ := other.layer_mismatch(meta, ("its parts", "the new ones")):
+                raise MismatchError(
+                    f"{self.directory}: already holds a trace of other MoE layers ({differ}); "
+                    "refusing to add parts"
                 )
         indices = [int(m.group(1)) for q in existing if (m := _PART_RE.match(q.name))]
         self._next = max(indices, default=-1) + 1

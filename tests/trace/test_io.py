@@ -279,6 +279,8 @@ def test_parts_recording_other_layers(tmp_path, small_meta):
     TraceWriter(d, small_meta).write(random_batch(small_meta, 10))
     other = dataclasses.replace(small_meta, moe_layer_indices=(1, 3, 5))
     assert other.moe_layer_indices != small_meta.moe_layer_indices
+    with pytest.raises(MismatchError, match=r"holds a trace of other MoE layers \(MoE layer 1"):
+        TraceWriter(d, other)  # appending parts of other layers
     write_trace(d / "part-00001.parquet", other, random_batch(other, 10))
     with pytest.raises(
         MismatchError,
