@@ -24,6 +24,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+def synth_predictor(directory: Path, config) -> Path:
+    """A synthetic trace from ``config`` (a SynthConfig) at ``directory/trace`` and the
+    predictor fitted on it (default FitConfig) at ``directory/pred``; returns the trace."""
+    from planner.predict.fit import FitConfig, fit_predictor
+    from planner.trace.synth import synthesize
+
+    trace = synthesize(config, directory / "trace")
+    fit_predictor(trace, FitConfig()).predictor.save(directory / "pred")
+    return trace
+
+
 def random_batch(meta: TraceMeta, rows: int, seed: int = 0, requests: int = 4) -> TraceBatch:
     """A valid random batch: distinct experts per layer, descending weights summing to 1."""
     rng = np.random.default_rng(seed)

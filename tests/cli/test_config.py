@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from planner.cli.main import main
-from planner.predict.fit import FitConfig, fit_predictor
 from planner.predict.split import split_trace
 from planner.solve.plan import Plan
 from planner.trace import open_trace
-from planner.trace.synth import SynthConfig, synthesize
+from planner.trace.synth import SynthConfig
+from tests.conftest import synth_predictor
 
 SYNTH = SynthConfig(
     num_layers=2, num_experts=8, top_k=2, vocab_size=200, num_tokens=3000, num_requests=30,
@@ -24,8 +24,7 @@ SYNTH = SynthConfig(
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     d = tmp_path_factory.mktemp("config")
-    trace = synthesize(SYNTH, d / "trace")
-    fit_predictor(trace, FitConfig()).predictor.save(d / "pred")
+    trace = synth_predictor(d, SYNTH)
     split_trace(trace, d / "fit", d / "held", 0.5, seed=0)
     return d
 

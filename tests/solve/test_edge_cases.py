@@ -12,13 +12,13 @@ import pytest
 
 from planner.cli.main import main
 from planner.errors import InputError
-from planner.predict.fit import FitConfig, fit_predictor
 from planner.solve.common import device_gains, expert_scores
 from planner.solve.pipeline import PlanConfig
 from planner.solve.plan import check_plan_output
 from planner.solve.problem import LayerProblem, SolverConfig
 from planner.solve.registry import SOLVERS, solve_layer
-from planner.trace.synth import SynthConfig, synthesize
+from planner.trace.synth import SynthConfig
+from tests.conftest import synth_predictor
 from tests.solve.instances import random_problem
 
 METHODS = sorted(SOLVERS)
@@ -32,8 +32,7 @@ SYNTH = SynthConfig(
 @pytest.fixture(scope="module")
 def predictor_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("edge")
-    trace = synthesize(SYNTH, d / "trace")
-    fit_predictor(trace, FitConfig()).predictor.save(d / "pred")
+    synth_predictor(d, SYNTH)
     return d
 
 
