@@ -3,7 +3,9 @@
 Modules, in the order a plan is made:
 
 - :mod:`~planner.solve.problem`     ``LayerProblem``, ``SolverConfig``, ``LayerPlacement``
-- :mod:`~planner.solve.common`      token assignment, expert repair, local search, objective
+- :mod:`~planner.solve.common`      what every solver shares: gains, expert repair, objective
+- :mod:`~planner.solve.assign`      token assignment within device capacities
+- :mod:`~planner.solve.polish`      local search: expert moves and priced swaps
 - :mod:`~planner.solve.registry`    ``SOLVERS`` and ``solve_layer``: one module per solver
   (``ceo``, ``ilp``, ``metis``, ``kmeans``, ``alternating``, ``vanilla``)
 - :mod:`~planner.solve.plan`        ``solve_model`` over all layers, the ``Plan`` artifact

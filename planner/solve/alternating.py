@@ -29,9 +29,9 @@ import time
 import numpy as np
 from scipy import sparse
 
+from planner.solve.assign import assign_tokens
 from planner.solve.common import (
     assign_for_problem,
-    assign_tokens,
     check_options,
     device_gains,
     expert_scores,

@@ -26,14 +26,14 @@ change has a switch, and ``benchmarks/solve_quality.py`` shows its effect:
 
 - ``assign_tokens``: only expert placements are sampled (N/E per device by construction);
   each is scored with its best tokens, the shared capacity assignment
-  (:func:`planner.solve.common.assign_tokens`), instead of an independent token sample.
+  (:func:`planner.solve.assign.assign_tokens`), instead of an independent token sample.
   Scoring uses the ``score_tokens`` most frequent tokens (capacity scaled to their load;
   about 16k gain entries by default) and as many of the heaviest load-free rows (n-gram
   contexts, :mod:`planner.solve.ngram_term`), with dual prices warm-started between samples;
 - ``align_labels``: device labels are arbitrary, so elite samples are relabelled (linear
   assignment on their overlap with the best placement so far) before they are averaged;
 - ``local_search``: every sample is first improved by the shared local search
-  (:func:`planner.solve.common.polish` on the scoring tokens, at most ``search_rounds``
+  (:func:`planner.solve.polish.polish` on the scoring tokens, at most ``search_rounds``
   rounds; ``search_swaps`` adds priced expert swaps), so the distribution learns from local
   optima (a memetic cross-entropy method). This is the change that matters most. The
   loop stops after ``iterations`` rounds, or restarts from the uniform distribution after
@@ -90,12 +90,12 @@ from planner.solve.common import (
     device_gains,
     finish,
     objective,
-    polish,
     rebalance_tokens,
     repair_expert_counts,
 )
 from planner.solve.effort import Effort, charge
 from planner.solve.kmeans import balanced_kmeans, expert_profiles
+from planner.solve.polish import polish
 from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig
 
 VARIANTS = ("improved", "paper")
@@ -362,7 +362,7 @@ class _Scorer:
     """Scores expert placements on the most frequent tokens (capacity scaled to their load).
 
     ``__call__(x)`` -> (x', score): with ``local_search`` the placement is first polished
-    (:func:`planner.solve.common.polish` on the scoring tokens), so the search runs over
+    (:func:`planner.solve.polish.polish` on the scoring tokens), so the search runs over
     local optima; otherwise x' = x and the score is that of the capacity assignment. The
     score is the objective, net of the batch cap's take-back with ``batch_aware`` (then
     x' is whichever of x and its polished form scores higher).

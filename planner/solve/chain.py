@@ -81,7 +81,6 @@ from planner.predict.ngram import MAX_ORDER, target_tuples
 from planner.solve.common import (
     assign_for_problem,
     batch_overflow,
-    best_outside,
     device_gains,
     expert_scores,
     finish,
@@ -89,6 +88,7 @@ from planner.solve.common import (
 )
 from planner.solve.effort import Effort, charge, exhausted
 from planner.solve.ngram_term import NgramTerm
+from planner.solve.polish import best_outside
 from planner.solve.problem import LayerPlacement, LayerProblem
 
 # Entries of the [pairs, rows] blocks the swap deltas are computed in.

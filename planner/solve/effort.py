@@ -3,8 +3,9 @@
 A search stopped by the clock returns a plan that depends on the machine's speed and load
 (and on ``--jobs``, when processes share cores): the same predictor and seed give different
 plans on different nights. An :class:`Effort` meter counts the work instead. The shared
-kernels of :mod:`planner.solve.common` charge it as they go (token-assignment sweeps, the
-heavy-token loop, swap scoring, device gains), in *units* whose cost was measured on the
+kernels (:mod:`planner.solve.assign`, :mod:`planner.solve.polish`,
+:mod:`planner.solve.common`) charge it as they go (token-assignment sweeps, the heavy-token
+loop, swap scoring, device gains), in *units* whose cost was measured on the
 reference machine (2-core x86, numpy 2; ``benchmarks/solve_speed.py``): a unit is about a
 microsecond there. A search that stops when its meter reaches a limit stops at the same
 point on every machine, so with the same inputs and seed its result is the same, only

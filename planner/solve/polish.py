@@ -1,0 +1,242 @@
+"""Local search on a placement: exact expert moves and priced expert swaps.
+
+:func:`polish` improves any solver's placement without lowering its objective: the exact
+best experts for the current tokens (:func:`planner.solve.common.place_experts`), then
+expert swaps that :func:`swap_candidates` proposes from the assignment's dual prices, each
+move followed by the shared token assignment. CEO polishes its sampled placements with it
+(an improvement on paper 000 App. B), and the chain polish (:mod:`planner.solve.chain`)
+borrows :func:`best_outside`.
+
+The search charges its work to an optional ``effort`` meter (:mod:`planner.solve.effort`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from planner.solve.common import (
+    assign_for_problem,
+    device_gains,
+    expert_scores,
+    objective,
+    place_experts,
+)
+from planner.solve.effort import Effort, charge, exhausted
+from planner.solve.problem import LayerProblem
+
+# Single swaps verified per polish round when the batch of swaps fails.
+_SWAP_TRIALS = 3
+# Swap neighbourhoods at most this large are tried in full (e.g. 8 experts).
+_ALL_SWAPS = 32
+# Experts per device tried in swaps (all when N/E is at most this).
+_SWAP_EXPERTS = 4
+# Partner devices tried per device in swaps (all pairs when E - 1 is at most this).
+_SWAP_PARTNERS = 6
+# Max elements of one [tokens, m, m] block when scoring swaps.
+_SWAP_BLOCK = 1 << 21
+
+
+def polish(
+    problem: LayerProblem,
+    expert_to_device: np.ndarray,
+    token_to_device: np.ndarray,
+    *,
+    max_rounds: int = 20,
+    deadline: float | None = None,
+    sweeps: int = 30,
+    swaps: bool = True,
+    exact: bool = True,
+    effort: Effort | None = None,
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Local search from a placement; never lowers the objective.
+
+    Two moves, each followed by the capacity token assignment for the new experts (kept
+    only if it beats the old tokens under the new experts):
+
+    1. the exact best experts for the current tokens (:func:`place_experts`);
+    2. when 1 gains nothing and ``swaps``: expert swaps proposed by
+       :func:`swap_candidates` (tokens free to move, capacity priced by the assignment's
+       duals): first all non-overlapping proposals at once, then the best few alone.
+
+    Stops when neither move gains, after ``max_rounds``, at ``deadline``
+    (``time.perf_counter()`` value), or once ``effort`` is exhausted (every step is charged
+    to it). Returns (expert_to_device, token_to_device, rounds).
+    """
+    x = np.asarray(expert_to_device, dtype=np.int64)
+    gain = device_gains(problem, x, effort)
+    result = assign_for_problem(problem, gain, sweeps=sweeps, exact=exact, effort=effort)
+    prices = result.prices
+    t, best = token_to_device, objective(problem, gain, token_to_device)
+    if objective(problem, gain, result.token_to_device) > best:
+        t, best = result.token_to_device, objective(problem, gain, result.token_to_device)
+    rounds = 0
+    for rounds in range(1, max_rounds + 1):  # noqa: B007
+        if _out_of_time(deadline) or exhausted(effort):
+            break
+        improved = False
+        for x_new in _moves(problem, x, t, gain, prices, swaps, deadline, effort):
+            gain_new = device_gains(problem, x_new, effort)
+            result = assign_for_problem(
+                problem, gain_new, prices=prices, sweeps=sweeps, exact=exact, effort=effort
+            )
+            t_new, obj_new = (
+                result.token_to_device,
+                objective(problem, gain_new, result.token_to_device),
+            )
+            obj_keep = objective(problem, gain_new, t)
+            if obj_keep > obj_new:
+                t_new, obj_new = t, obj_keep
+            if obj_new > best * (1 + 1e-12) + 1e-12:
+                x, t, gain, best, prices = x_new, t_new, gain_new, obj_new, result.prices
+                improved = True
+                break
+        if not improved:
+            break
+    return x, t, rounds
+
+
+def swap_candidates(
+    problem: LayerProblem,
+    expert_to_device: np.ndarray,
+    gain: np.ndarray,
+    prices: np.ndarray,
+    effort: Effort | None = None,
+) -> list[tuple[float, int, int, int, int]]:
+    """The most promising expert swap of every device pair, by a priced estimate.
+
+    With capacity priced by the assignment's duals (``prices`` [E]), a token's value is
+    ``max_d gain[j, d] - a_j prices[d]``, free to move. Swapping expert e (device p) with
+    f (device q) changes only columns p and q of the gains of the tokens that route to e or
+    f, so the change of the total value is computed exactly for every tried pair (vectorised
+    over the [m, m] expert pairs of a device pair). Tried: for each device its
+    ``_SWAP_PARTNERS`` most related devices, and per device pair the ``_SWAP_EXPERTS``
+    experts of each side most drawn to the other side.
+
+    The estimate ignores that moving tokens shifts the prices, so it is optimistic: callers
+    verify candidates with the real assignment (:func:`polish`). Returns [(estimated gain,
+    device p, device q, expert on p, expert on q)], best first, estimated gain > 0 only.
+    The work is charged to ``effort`` when given.
+    """
+    x = np.asarray(expert_to_device, dtype=np.int64)
+    e, per = problem.ep_size, problem.experts_per_device
+    if e < 2:
+        return []
+    wc = problem.affinity_csc
+    charge(effort, "swap_candidates", entries=gain.size, steps=e)
+    adjusted = gain - problem.token_freq[:, None] * np.asarray(prices)[None, :]
+    top = np.argsort(-adjusted, axis=1, kind="stable")[:, :3]
+    top_values = np.take_along_axis(adjusted, top, axis=1)
+    current = top_values[:, 0]
+    members = [np.flatnonzero(x == d) for d in range(e)]
+    # pull[d, k]: activations of expert k by the tokens whose priced best device is d
+    pull = expert_scores(problem, adjusted.argmax(axis=1))
+    # Device pairs: with many devices, only each device's strongest partners (by the pull
+    # of its experts towards them). Experts: the m of each device most drawn to the other.
+    cross = np.stack([pull[:, members[d]].sum(axis=1) for d in range(e)])  # [E, E]
+    cross = cross + cross.T
+    np.fill_diagonal(cross, -np.inf)
+    partners = np.argsort(-cross, axis=1, kind="stable")[:, : min(e - 1, _SWAP_PARTNERS)]
+    pairs = sorted({(min(p, q), max(p, q)) for p in range(e) for q in partners[p]})
+    m = min(per, _SWAP_EXPERTS)
+    chunk = max(1, _SWAP_BLOCK // (m * m))
+    candidates = []
+    for p, q in pairs:
+        mem_p = members[p][np.argsort(pull[p, members[p]] - pull[q, members[p]], kind="stable")[:m]]
+        mem_q = members[q][np.argsort(pull[q, members[q]] - pull[p, members[q]], kind="stable")[:m]]
+        cols = np.concatenate((mem_p, mem_q))
+        # only tokens that route to one of the tried experts change value
+        rows, block_all = _column_block(wc, cols)
+        charge(effort, "swap_pair", entries=rows.size * (m * m + 2))
+        if rows.size == 0:
+            continue
+        # best adjusted value of each token outside devices p and q
+        outside = best_outside(top[rows], top_values[rows], p, q)
+        delta = np.zeros((m, m))
+        for lo in range(0, rows.size, chunk):
+            sel, block = rows[lo : lo + chunk], block_all[lo : lo + chunk]
+            diff = block[:, None, m:] - block[:, :m, None]  # W[j, f] - W[j, e]
+            # value on p, on q, or outside, less the current value (in place: temporaries
+            # of [rows, m, m] cost more than the arithmetic)
+            best = adjusted[sel, p][:, None, None] + diff
+            on_q = np.subtract(adjusted[sel, q][:, None, None], diff, out=diff)
+            np.maximum(best, on_q, out=best)
+            np.maximum(best, outside[lo : lo + chunk, None, None], out=best)
+            best -= current[sel][:, None, None]
+            delta += best.sum(axis=0)
+        i, j = np.unravel_index(int(delta.argmax()), delta.shape)
+        candidates.append((float(delta[i, j]), p, q, mem_p[i], mem_q[j]))
+    scale = max(float(np.abs(current).sum()), 1.0) * 1e-12
+    return sorted((c for c in candidates if c[0] > scale), key=lambda c: -c[0])
+
+
+def _column_block(wc, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rows [R], block [R, C]): the rows of W (CSC ``wc``) with a nonzero in ``cols``, in
+    increasing order, and W[rows][:, cols] dense (copied from the columns' nonzeros)."""
+    spans = [slice(wc.indptr[c], wc.indptr[c + 1]) for c in cols]
+    touched = np.zeros(wc.shape[0], dtype=bool)
+    for span in spans:
+        touched[wc.indices[span]] = True
+    rows = np.flatnonzero(touched)
+    position = np.zeros(wc.shape[0], dtype=np.intp)
+    position[rows] = np.arange(rows.size)
+    block = np.zeros((rows.size, len(spans)))
+    for i, span in enumerate(spans):
+        block[position[wc.indices[span]], i] = wc.data[span]
+    return rows, block
+
+
+def best_outside(top: np.ndarray, values: np.ndarray, p, q) -> np.ndarray:
+    """Each row's largest value on a device other than ``p`` and ``q``.
+
+    ``top`` [R, D] holds each row's D >= 3 best devices (fewer when E < 3), best first, and
+    ``values`` [R, D] their values. ``p`` and ``q`` are device ids (scalars: [R]) or one
+    pair per column ([P] arrays: [R, P]); -inf where no such device is listed.
+    """
+    pair = np.ndim(p) > 0
+    outside = np.full((top.shape[0], np.size(p)) if pair else top.shape[0], -np.inf)
+    for r in range(top.shape[1] - 1, -1, -1):
+        dev, val = (top[:, r, None], values[:, r, None]) if pair else (top[:, r], values[:, r])
+        outside = np.where((dev != p) & (dev != q), val, outside)
+    return outside
+
+
+def _moves(problem, x, t, gain, prices, swaps: bool, deadline: float | None, effort=None):
+    """Candidate expert placements for :func:`polish`, most promising first (lazy)."""
+    n = problem.num_experts
+    charge(effort, "place_experts", entries=problem.affinity.nnz, steps=n * n)
+    best = place_experts(expert_scores(problem, t), problem.experts_per_device)
+    if not (best == x).all():
+        yield best
+    if not swaps or _out_of_time(deadline) or exhausted(effort):
+        return
+    candidates = swap_candidates(problem, x, gain, prices, effort)
+    # all non-overlapping candidates at once, then the best few alone
+    batch = x.copy()
+    used: set[int] = set()
+    for _, p, q, a, b in candidates:
+        if p not in used and q not in used:
+            batch[a], batch[b] = q, p
+            used.update((p, q))
+    if len(used) > 2:
+        yield batch
+    for _, p, q, a, b in candidates[:_SWAP_TRIALS]:
+        if _out_of_time(deadline) or exhausted(effort):
+            return
+        single = x.copy()
+        single[a], single[b] = q, p
+        yield single
+    # few experts: the whole swap neighbourhood is cheap, so try every swap
+    e = problem.ep_size
+    if n * n * (e - 1) // (2 * e) <= _ALL_SWAPS:
+        for a in range(n):
+            for b in range(a + 1, n):
+                if x[a] != x[b]:
+                    single = x.copy()
+                    single[a], single[b] = x[b], x[a]
+                    yield single
+
+
+def _out_of_time(deadline: float | None) -> bool:
+    return deadline is not None and time.perf_counter() > deadline
