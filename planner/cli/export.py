@@ -161,7 +161,7 @@ def evaluate(
     """LAR (token, n-gram, online, balanced, vanilla), imbalance, remote traffic and the oracle bound."""
     config = EvalConfig(batch_tokens, slack, hidden_size, dtype_bytes)  # checks the values
     if plot:
-        check_plot_path(plot)
+        check_plot_path(plot, inputs=(plan, heldout))
     bundle = load_tables(plan)
     report = evaluate_bundle(bundle, open_trace(heldout), config)
     if plot and not report["overall"]["tokens"]:

@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 
+from planner.errors import InputError
 from planner.evaluate.metrics import EvalConfig, evaluate_bundle
 from planner.export.api import bundle_from_plan
 from planner.predict.predictor import Predictor
@@ -80,6 +81,8 @@ def compare_methods(
     predictor.check_compatible(heldout.meta, "held-out trace")
     if fitting is not None:
         predictor.check_compatible(fitting.meta, "fitting trace")
+    if not heldout.num_rows:
+        raise InputError(f"held-out trace {heldout.path} holds no tokens; nothing to compare on")
     eval_config = dataclasses.replace(eval_config or EvalConfig(), per_request=True)
     rows = []
     per_request = {}

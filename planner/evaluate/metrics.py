@@ -122,23 +122,40 @@ def _local_and_remote(expert_device: np.ndarray, chosen: np.ndarray, ep_size: in
     return local, (touched - here).sum(0), touched.sum(0)
 
 
-def _vanilla_device(batch: TraceBatch, lengths: dict[int, int], ep_size: int) -> np.ndarray:
-    """[T] device of each token when each sequence is split into E contiguous chunks."""
-    seq_len = np.fromiter((lengths[int(r)] for r in batch.request_id), np.int64, len(batch))
-    return np.minimum(
-        batch.position.astype(np.int64) * ep_size // np.maximum(seq_len, 1), ep_size - 1
-    )
+def _vanilla_device(batch: TraceBatch, spans: _RequestSpans, ep_size: int) -> np.ndarray:
+    """[T] device of each token when each sequence is split into E contiguous chunks.
+
+    Chunks are taken over the request's own positions (first to last in the trace), so a
+    request whose positions do not start at 0 (an ingested chunked-prefill continuation, a
+    sample) is split too, not all sent to the last device.
+    """
+    req = np.searchsorted(spans.request_ids, batch.request_id)
+    offset = batch.position.astype(np.int64) - spans.first[req]
+    return np.minimum(offset * ep_size // spans.span[req], ep_size - 1)
 
 
-def _request_lengths(trace: Trace) -> dict[int, int]:
-    """Tokens of each request in the trace (positions may not start at 0 in a sample)."""
-    import pyarrow.parquet as pq
+class _RequestSpans:
+    """Per request (sorted ids): tokens in the trace, first position and position span."""
 
-    ids = np.concatenate(
-        [pq.read_table(p, columns=["request_id"]).column(0).to_numpy() for p in trace.parts]
-    )
-    uniq, cnt = np.unique(ids, return_counts=True)
-    return dict(zip(uniq.tolist(), cnt.tolist(), strict=True))
+    def __init__(self, trace: Trace):
+        import pyarrow.parquet as pq
+
+        cols = [pq.read_table(p, columns=["request_id", "position"]) for p in trace.parts]
+        ids = np.concatenate([np.zeros(0, np.int64)] + [t.column(0).to_numpy() for t in cols])
+        pos = np.concatenate([np.zeros(0, np.int64)] + [t.column(1).to_numpy() for t in cols])
+        self.request_ids, inverse, self.tokens = np.unique(
+            ids, return_inverse=True, return_counts=True
+        )
+        pos = pos.astype(np.int64)
+        self.first = np.full(self.request_ids.size, np.iinfo(np.int64).max, np.int64)
+        last = np.full(self.request_ids.size, -1, np.int64)
+        np.minimum.at(self.first, inverse, pos)
+        np.maximum.at(last, inverse, pos)
+        self.span = np.maximum(last - self.first + 1, 1)
+
+    def lengths(self) -> dict[int, int]:
+        """Tokens of each request in the trace (positions may not start at 0 in a sample)."""
+        return dict(zip(self.request_ids.tolist(), self.tokens.tolist(), strict=True))
 
 
 def _chunks(trace: Trace, size: int):
@@ -172,8 +189,8 @@ def evaluate_bundle(bundle: Bundle, trace: Trace, config: EvalConfig | None = No
     check_compatible(bundle, meta, "trace")
     big_l, n, k, e = meta.num_layers, meta.num_experts, meta.top_k, bundle.ep_size
     order = bundle.ngram_order
-    lengths = _request_lengths(trace)
-    acc = _Acc(big_l, n, e, meta.vocab_size, lengths)
+    spans = _RequestSpans(trace)
+    acc = _Acc(big_l, n, e, meta.vocab_size, spans.lengths())
     layers = np.arange(big_l)
     vanilla_expert_device = np.arange(n) // (n // e)
 
@@ -183,7 +200,7 @@ def evaluate_bundle(bundle: Bundle, trace: Trace, config: EvalConfig | None = No
         expert_device = bundle.expert_to_device[layers[None, :, None], experts].astype(np.int64)
         known = chunk.token_id >= 0
         tok = np.where(known, chunk.token_id, 0)
-        van = _vanilla_device(chunk, lengths, e)  # [T]
+        van = _vanilla_device(chunk, spans, e)  # [T]
 
         token_dev = np.where(known[:, None], bundle.token_to_device[:, tok].T, van[:, None])
         token_conf = np.where(known[:, None], bundle.token_confidence[:, tok].T, 0).astype(

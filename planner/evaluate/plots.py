@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from planner._io import atomic_path
+from planner._io import atomic_path, check_output
 from planner.errors import InputError
 
 FORMATS = (".png", ".svg", ".pdf")
@@ -44,10 +44,12 @@ def _save(fig: Any, dest: str | os.PathLike) -> Path:
     return path
 
 
-def check_plot_path(dest: str | os.PathLike) -> None:
-    """Fail before the work, not after it, on a name matplotlib cannot write."""
+def check_plot_path(dest: str | os.PathLike, inputs: tuple = ()) -> None:
+    """Fail before the work, not after it, on a name matplotlib cannot write, or a path a
+    file cannot be written to (a directory, under a file, inside one of the ``inputs``)."""
     if Path(dest).suffix.lower() not in FORMATS:
         raise InputError(f"--plot {dest}: the file name must end in {', '.join(FORMATS)}")
+    check_output(dest, marker=None, what="plot", inputs=inputs)
 
 
 def plot_comparison(result: dict, dest: str | os.PathLike, title: str = "") -> Path:

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,10 +14,18 @@ from typing import Any
 
 import numpy as np
 
+from planner.errors import SchemaError
 from planner.export.bundle import Bundle, load_bundle_arrays, save_bundle, verify_bundle
 from planner.export.engines import EnginePlacement, get_format
 from planner.solve.pipeline import plan_meta
 from planner.solve.plan import PLAN_FILE, Plan
+
+# what a bundle's metrics take from each layer's solver report
+_REPORTED = ("local_rate", "token_imbalance")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def bundle_from_plan(plan: Plan, metrics: dict[str, Any] | None = None) -> Bundle:
@@ -31,13 +40,21 @@ def bundle_from_plan(plan: Plan, metrics: dict[str, Any] | None = None) -> Bundl
     if ngram_dev is None:
         ngram_dev = np.zeros((big_l, e**order), np.int16)
         ngram_conf = np.zeros((big_l, e**order), np.float16)
+    meta = plan_meta(plan)
+    if plan.fingerprint != meta.fingerprint():
+        raise SchemaError(
+            f"plan fingerprint {plan.fingerprint} does not match its model fields "
+            f"({meta.fingerprint()}, model {meta.model!r}); the plan was edited"
+        )
     if metrics is None:
+        if not all(_is_number(r.get(k)) for r in plan.reports for k in _REPORTED):
+            raise SchemaError("plan: a layer report lacks numeric local_rate and token_imbalance")
         metrics = {
             "solver_local_rate": [round(r["local_rate"], 6) for r in plan.reports],
             "solver_token_imbalance": [round(r["token_imbalance"], 6) for r in plan.reports],
         }
     return Bundle.from_arrays(
-        plan_meta(plan),
+        meta,
         ep_size=e,
         ngram_order=order,
         expert_to_device=plan.expert_to_device,

@@ -498,7 +498,12 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     mpath = path / MANIFEST_FILE
     if not mpath.is_file():
         raise SchemaError(f"bundle {path}: {MANIFEST_FILE} is missing; not a moeplan bundle")
-    manifest = read_json_object(mpath, f"bundle {path}: {MANIFEST_FILE}", SchemaError)
+    try:
+        manifest = read_json_object(mpath, f"bundle {path}: {MANIFEST_FILE}", SchemaError)
+    except RecursionError:  # json's decoder recurses once per nesting level
+        raise SchemaError(
+            f"bundle {path}: {MANIFEST_FILE} is not valid JSON (nested too deeply)"
+        ) from None
     if manifest.get("format") != FORMAT:
         raise SchemaError(
             f"bundle {path}: manifest format is {manifest.get('format')!r}, expected {FORMAT!r}"
@@ -523,6 +528,10 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         raise SchemaError(f"bundle {path}: manifest seed={seed!r} must be an integer or null")
     if not isinstance(manifest.get("metrics") or {}, dict):
         raise SchemaError(f"bundle {path}: manifest metrics must be a JSON object")
+    try:
+        json.dumps(manifest.get("metrics") or {}, allow_nan=False)
+    except (ValueError, RecursionError) as e:  # NaN or Infinity, which json.loads accepts
+        raise SchemaError(f"bundle {path}: manifest metrics are not plain JSON ({e})") from None
     return manifest
 
 

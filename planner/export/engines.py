@@ -80,6 +80,9 @@ from planner._io import write_bytes_atomic
 from planner.errors import InputError, SchemaError
 from planner.export.bundle import Bundle, permutation_from_placement
 
+# Guard against absurd model depths (SGLang's file has a row of N ids per model layer).
+MAX_MODEL_LAYERS = 4096
+
 
 @dataclass(frozen=True, eq=False)
 class EnginePlacement:
@@ -128,10 +131,19 @@ class EnginePlacement:
             )
         if idx and (idx[0] < 0 or any(b <= a for a, b in zip(idx, idx[1:], strict=False))):
             raise SchemaError(f"moe_layer_indices {list(idx)} must be increasing and >= 0")
+        if not is_integer(self.num_model_layers):
+            raise InputError(f"num_model_layers={self.num_model_layers!r} must be an integer")
         if idx and self.num_model_layers <= idx[-1]:
             raise InputError(
                 f"num_model_layers={self.num_model_layers} is too small: MoE layer "
                 f"{big_l - 1} is model layer {idx[-1]}"
+            )
+        if self.num_model_layers > MAX_MODEL_LAYERS:
+            # SGLang's map has a row per model layer: refuse before building billions of them
+            last = f" (the last MoE layer is model layer {idx[-1]})" if idx else ""
+            raise InputError(
+                f"num_model_layers={self.num_model_layers} is more than {MAX_MODEL_LAYERS} "
+                f"decoder layers{last}"
             )
         perm = perm.astype(np.int64)
         perm.flags.writeable = False
