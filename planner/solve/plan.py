@@ -28,6 +28,7 @@ import io
 import json
 import multiprocessing as mp
 import os
+import zipfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ import numpy as np
 
 from planner._io import atomic_path, check_output
 from planner.errors import InputError, MismatchError, SchemaError
+from planner.predict.ngram import MAX_ORDER
 from planner.solve.ceo import model_layer_effort
 from planner.solve.chain import chain_polish
 from planner.solve.ngram_term import NgramTerm, restrict
@@ -296,8 +298,7 @@ class Plan:
         _expect(t, "token_to_device", (big_l, v))
         _expect(c, "token_confidence", (big_l, v))
         for name, arr in (("expert_to_device", x), ("token_to_device", t)):
-            if arr.size and (arr.min() < 0 or arr.max() >= e):
-                raise SchemaError(f"plan: {name} holds devices outside [0, {e})")
+            _check_devices(arr, name, e)
         counts = (
             np.stack([np.bincount(row, minlength=e) for row in x.astype(np.int64)])
             if big_l
@@ -307,25 +308,38 @@ class Plan:
             raise SchemaError(
                 f"plan: some layer does not hold exactly N/E = {n // e} experts per device"
             )
-        if c.size and (not np.isfinite(c).all() or c.min() < 0 or c.max() > 1):
+        if not np.issubdtype(c.dtype, np.number) or (
+            c.size and (not np.isfinite(c).all() or c.min() < 0 or c.max() > 1)
+        ):
             raise SchemaError("plan: token_confidence outside [0, 1]")
         object.__setattr__(self, "expert_to_device", x.astype(np.int16))
         object.__setattr__(self, "token_to_device", t.astype(np.int16))
         object.__setattr__(self, "token_confidence", c.astype(np.float16))
+        if not _is_int(self.ngram_order) or not 0 <= self.ngram_order <= MAX_ORDER:
+            raise SchemaError(f"plan: ngram_order={self.ngram_order!r} is not in [0, {MAX_ORDER}]")
         if (self.ngram_to_device is None) != (self.ngram_confidence is None):
             raise SchemaError("plan: ngram_to_device and ngram_confidence come together")
         if self.ngram_to_device is not None:
             shape = (big_l, e**self.ngram_order)
             _expect(np.asarray(self.ngram_to_device), "ngram_to_device", shape)
             _expect(np.asarray(self.ngram_confidence), "ngram_confidence", shape)
+            _check_devices(np.asarray(self.ngram_to_device), "ngram_to_device", e)
+            nc = np.asarray(self.ngram_confidence)
+            if not np.issubdtype(nc.dtype, np.number) or (
+                nc.size and (not np.isfinite(nc).all() or nc.min() < 0 or nc.max() > 1)
+            ):
+                raise SchemaError("plan: ngram_confidence outside [0, 1]")
             object.__setattr__(
                 self, "ngram_to_device", np.asarray(self.ngram_to_device).astype(np.int16)
             )
             object.__setattr__(
                 self, "ngram_confidence", np.asarray(self.ngram_confidence).astype(np.float16)
             )
-        if len(self.reports) not in (0, big_l):
-            raise SchemaError(f"plan: {len(self.reports)} layer reports for {big_l} layers")
+        if not isinstance(self.reports, list) or len(self.reports) not in (0, big_l):
+            got = len(self.reports) if isinstance(self.reports, list) else repr(self.reports)
+            raise SchemaError(f"plan: {got} layer reports for {big_l} layers")
+        if not all(isinstance(r, dict) for r in self.reports):
+            raise SchemaError("plan: every layer report must be a JSON object")
 
     def check_model(self, fingerprint: str) -> None:
         """Refuse a plan made for another model (MismatchError)."""
@@ -376,8 +390,10 @@ class Plan:
             raise InputError(f"{path} is not a plan directory (plan.json and tables.npz expected)")
         try:
             meta = json.loads(meta_path.read_text())
-        except json.JSONDecodeError as e:
-            raise SchemaError(f"{meta_path}: not JSON ({e})") from e
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise SchemaError(f"{meta_path}: not JSON ({e})") from None
+        if not isinstance(meta, dict):
+            raise SchemaError(f"{meta_path}: not a JSON object")
         if meta.get("format") != PLAN_FORMAT:
             raise SchemaError(f"{meta_path}: format {meta.get('format')!r} is not {PLAN_FORMAT!r}")
         if meta.get("format_version") != PLAN_FORMAT_VERSION:
@@ -385,8 +401,17 @@ class Plan:
                 f"{meta_path}: format_version {meta.get('format_version')!r} is not supported "
                 f"(expected {PLAN_FORMAT_VERSION})"
             )
-        with np.load(tables_path, allow_pickle=False) as tables:
-            arrays = {k: tables[k] for k in tables.files}
+        for key, ok, kind in _META_FIELDS:
+            if key not in meta and key in _META_OPTIONAL:
+                continue
+            if key not in meta or not ok(meta[key]):
+                got = repr(meta[key]) if key in meta else "missing"
+                raise SchemaError(f"{meta_path}: {key} must be {kind} ({got})")
+        try:
+            with np.load(tables_path, allow_pickle=False) as tables:
+                arrays = {k: tables[k] for k in tables.files}
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+            raise SchemaError(f"{tables_path}: not a readable table archive ({e})") from None
         for key in ("expert_to_device", "token_to_device", "token_confidence"):
             if key not in arrays:
                 raise SchemaError(f"{tables_path}: missing table {key!r}")
@@ -398,6 +423,32 @@ class Plan:
             ngram_to_device=arrays.get("ngram_to_device"), ngram_confidence=arrays.get("ngram_confidence"),
             reports=meta.get("reports", []),
         )  # fmt: skip
+
+
+# plan.json's fields: (key, check, what it must be); config, ngram_order and reports may be absent
+_META_FIELDS = (
+    ("model", lambda v: isinstance(v, dict), "a JSON object"),
+    ("fingerprint", lambda v: isinstance(v, str), "a string"),
+    ("ep_size", lambda v: _is_int(v), "an integer"),
+    ("method", lambda v: isinstance(v, str), "a string"),
+    ("seed", lambda v: _is_int(v), "an integer"),
+    ("config", lambda v: isinstance(v, dict), "a JSON object"),
+    ("ngram_order", lambda v: _is_int(v), "an integer"),
+    ("reports", lambda v: isinstance(v, list), "a list"),
+)
+_META_OPTIONAL = ("config", "ngram_order", "reports")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int | np.integer) and not isinstance(v, bool)
+
+
+def _check_devices(arr: np.ndarray, name: str, e: int) -> None:
+    """A device table holds integers in [0, E) (a float table would be truncated silently)."""
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise SchemaError(f"plan: {name} has dtype {arr.dtype}, expected integers")
+    if arr.size and (arr.min() < 0 or arr.max() >= e):
+        raise SchemaError(f"plan: {name} holds devices outside [0, {e})")
 
 
 def _expect(arr: np.ndarray, name: str, shape: tuple[int, ...]) -> None:

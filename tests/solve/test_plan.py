@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -116,3 +117,47 @@ def test_plan_rejects_bad_tables(tmp_path) -> None:
         Plan.load(path)
     with pytest.raises(InputError, match="not a plan"):
         Plan.load(tmp_path)
+
+
+def test_plan_refuses_tables_a_runtime_would_misread() -> None:
+    # a float device table was truncated to int16 and accepted
+    x = _plan().expert_to_device.astype(np.float64)
+    with pytest.raises(SchemaError, match="dtype float64, expected integers"):
+        _plan(expert_to_device=x + 0.5)
+    with pytest.raises(SchemaError, match="ngram_order=-1"):
+        _plan(ngram_order=-1)
+    with pytest.raises(SchemaError, match="ngram_to_device holds devices outside"):
+        _plan(ngram_order=1, ngram_to_device=np.full((2, 4), 4), ngram_confidence=np.zeros((2, 4)))
+    with pytest.raises(SchemaError, match="ngram_confidence outside"):
+        _plan(
+            ngram_order=1,
+            ngram_to_device=np.zeros((2, 4), int),
+            ngram_confidence=np.full((2, 4), 2.0),
+        )
+    with pytest.raises(SchemaError, match="layer report must be a JSON object"):
+        _plan(reports=[1, 2])
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda m: m.pop("fingerprint"), "fingerprint must be a string (missing)"),
+        (lambda m: m.update(ep_size="4"), "ep_size must be an integer ('4')"),
+        (lambda m: m.update(seed=True), "seed must be an integer (True)"),
+        (lambda m: m.update(config=[]), "config must be a JSON object"),
+    ],
+)
+def test_plan_load_checks_plan_json_fields(tmp_path, edit, message) -> None:
+    path = _plan().save(tmp_path / "plan")
+    meta = json.loads((path / "plan.json").read_text())
+    edit(meta)
+    (path / "plan.json").write_text(json.dumps(meta))
+    with pytest.raises(SchemaError, match=re.escape(message)):
+        Plan.load(path)
+
+
+def test_plan_load_refuses_a_garbled_table_archive(tmp_path) -> None:
+    path = _plan().save(tmp_path / "plan")
+    (path / "tables.npz").write_bytes(b"not a zip archive")
+    with pytest.raises(SchemaError, match="not a readable table archive"):
+        Plan.load(path)
