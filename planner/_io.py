@@ -117,6 +117,8 @@ def read_json_object(
         value = json.loads(Path(file).read_text())
     except ValueError as e:  # UnicodeDecodeError included
         raise error(f"{where} is not valid JSON ({e})") from None
+    except RecursionError:  # json's decoder recurses once per nesting level
+        raise error(f"{where} is not valid JSON (nested too deeply)") from None
     if not isinstance(value, dict):
         raise error(f"{where} must hold a JSON object")
     return value

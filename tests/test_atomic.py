@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from planner._io import atomic_path, check_output
+from planner._io import atomic_path, check_output, read_json_object
 from planner.cli.main import main
 from planner.errors import InputError
 from tests.conftest import FLAME_TRACE, require
@@ -58,3 +58,11 @@ def test_outputs_that_could_not_be_written_are_refused_before_the_work(tmp_path,
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "is a file, not a directory" in err[0], err
     assert afile.read_text() == "keep"
+
+
+def test_deeply_nested_json_is_one_line_error(tmp_path):
+    # json's decoder recurses per level: a RecursionError traceback before
+    path = tmp_path / "predictor.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(InputError, match="nested too deeply"):
+        read_json_object(path, "predictor.json")

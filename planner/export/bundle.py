@@ -498,12 +498,7 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     mpath = path / MANIFEST_FILE
     if not mpath.is_file():
         raise SchemaError(f"bundle {path}: {MANIFEST_FILE} is missing; not a moeplan bundle")
-    try:
-        manifest = read_json_object(mpath, f"bundle {path}: {MANIFEST_FILE}", SchemaError)
-    except RecursionError:  # json's decoder recurses once per nesting level
-        raise SchemaError(
-            f"bundle {path}: {MANIFEST_FILE} is not valid JSON (nested too deeply)"
-        ) from None
+    manifest = read_json_object(mpath, f"bundle {path}: {MANIFEST_FILE}", SchemaError)
     if manifest.get("format") != FORMAT:
         raise SchemaError(
             f"bundle {path}: manifest format is {manifest.get('format')!r}, expected {FORMAT!r}"
