@@ -82,7 +82,7 @@ def fit(
 
     if not Path(trace).exists():
         raise InputError(f"{trace}: no such trace or counts file")
-    check_destination(out, inputs=(trace,))
+    check_destination(out, inputs=(trace, *([embeddings] if embeddings else [])))
     if eval_domain and not typed(ctx, "holdout"):
         holdout = None  # a --config file's holdout (thinning) stands down for --eval-domain
     config = FitConfig(

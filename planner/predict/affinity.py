@@ -32,8 +32,9 @@ from typing import cast
 import numpy as np
 from scipy import sparse
 
-from planner.errors import InputError, SchemaError
-from planner.predict.counts import TokenExpertCounts
+from planner._checks import is_integer
+from planner.errors import InputError, MismatchError, SchemaError
+from planner.predict.counts import MAX_TOTAL_COUNT, TokenExpertCounts
 from planner.trace.schema import TraceMeta
 
 # Unseen tokens are matched to known ones in blocks of this many rows (bounds the
@@ -100,7 +101,10 @@ class TokenExpertAffinity:
         self, counts: TokenExpertCounts, embeddings: np.ndarray | None = None
     ) -> TokenExpertAffinity:
         """Learn the tables from ``counts``; ``embeddings`` [V, d] enables the cosine fallback."""
-        if not 0.0 < float(self.confident_threshold) <= 1.0:
+        threshold = self.confident_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, int | float | np.number):
+            raise InputError(f"confident_threshold={threshold!r} is not a number")
+        if not 0.0 < float(threshold) <= 1.0:
             raise InputError(f"confident_threshold={self.confident_threshold!r} must lie in (0, 1]")
         m = counts.meta
         self.meta_ = m
@@ -178,7 +182,7 @@ class TokenExpertAffinity:
 
     def _check_layer(self, layer: int) -> None:
         self._check_fitted()
-        if not 0 <= int(layer) < self.meta_.num_layers:
+        if not is_integer(layer) or not 0 <= layer < self.meta_.num_layers:
             raise InputError(f"layer {layer!r} outside [0, {self.meta_.num_layers})")
 
     # -- queries ---------------------------------------------------------------------------
@@ -292,6 +296,7 @@ class TokenExpertAffinity:
 
     def layer_tables(self, layer: int) -> _LayerTables:
         """The lookup tables of ``layer``, built on first use."""
+        self._check_layer(layer)
         if layer not in self._tables:
             self._tables[layer] = self._build_tables(layer)
         return self._tables[layer]
@@ -375,6 +380,10 @@ class TokenExpertAffinity:
     ) -> TokenExpertAffinity:
         if "nearest_known" not in tensors:
             raise SchemaError("affinity tensors lack 'nearest_known'")
+        if tensors["nearest_known"].dtype.kind not in "iu":
+            raise SchemaError(
+                f"affinity nearest_known holds {tensors['nearest_known'].dtype}, expected integers"
+            )
         counts = _unpack_csr(tensors, "", meta)
         top1 = _unpack_csr(tensors, "top1_", meta) if "top1_indptr" in tensors else None
         return cls.from_fitted(
@@ -412,6 +421,9 @@ def _unpack_csr(
         indptr, indices, data = (tensors[f"{prefix}{x}"] for x in ("indptr", "indices", "data"))
     except KeyError as e:
         raise SchemaError(f"affinity tensors lack {e.args[0]!r}") from None
+    for name, arr in (("indptr", indptr), ("indices", indices), ("data", data)):
+        if arr.dtype.kind not in "iu":
+            raise SchemaError(f"affinity {prefix}{name} holds {arr.dtype}, expected integers")
     if indptr.shape != (big_l, v + 1):
         raise SchemaError(
             f"affinity {prefix}indptr has shape {indptr.shape}, expected ({big_l}, {v + 1})"
@@ -428,6 +440,10 @@ def _unpack_csr(
         raise SchemaError(f"affinity {prefix}indices hold expert ids outside [0, {n})")
     if data.size and int(data.min()) <= 0:
         raise SchemaError(f"affinity {prefix}data must hold positive counts")
+    if float(data.sum(dtype=np.float64)) >= MAX_TOTAL_COUNT:
+        raise SchemaError(
+            f"affinity {prefix}data sum to more than 2**62 (int64 sums would overflow)"
+        )
     mats = []
     for layer in range(big_l):
         lo, hi = int(indptr[layer, 0]), int(indptr[layer, -1])
@@ -499,11 +515,16 @@ def check_embeddings(embeddings: np.ndarray, vocab_size: int, where: str = "embe
             )
 
 
-def load_embeddings(path: str | Path, vocab_size: int) -> np.ndarray:
+def load_embeddings(
+    path: str | Path, vocab_size: int, fingerprint: str | None = None
+) -> np.ndarray:
     """Input embeddings [V, d] float32 from a ``.npy`` file or a ``.safetensors`` file.
 
     In a safetensors file with several tensors, the one whose name contains ``embed`` and
-    which has V rows is used (``model.embed_tokens.weight``, ``embeddings``, ...).
+    which has V rows is used (``model.embed_tokens.weight``, ``embeddings``, ...); bfloat16
+    (a model checkpoint's usual dtype) is read through torch. With ``fingerprint`` (the
+    trace's model fingerprint), a file that records another model's fingerprint in its
+    metadata (``moeplan profile --save-embeddings`` writes one) is refused.
     """
     path = Path(path)
     if not path.is_file():
@@ -511,7 +532,7 @@ def load_embeddings(path: str | Path, vocab_size: int) -> np.ndarray:
     if path.suffix == ".npy":
         try:
             emb = np.load(path, mmap_mode="r", allow_pickle=False)
-        except ValueError as e:
+        except (ValueError, EOFError) as e:  # EOFError: an empty file
             raise InputError(f"{path}: not a .npy array ({e})") from None
     elif path.suffix == ".safetensors":
         from safetensors import SafetensorError, safe_open
@@ -529,13 +550,37 @@ def load_embeddings(path: str | Path, vocab_size: int) -> np.ndarray:
                         f"{path}: cannot tell which tensor holds the input embeddings "
                         f"(2-D tensors: {', '.join(n for n in names if len(shapes[n]) == 2) or 'none'})"
                     )
-                emb = f.get_tensor(candidates[0])
+                recorded = (f.metadata() or {}).get("fingerprint")
+                if fingerprint is not None and recorded is not None and recorded != fingerprint:
+                    model = (f.metadata() or {}).get("model")
+                    raise MismatchError(
+                        f"{path}: embeddings of model {model!r} (fingerprint {recorded}), not "
+                        f"of the trace's model (fingerprint {fingerprint})"
+                    )
+                try:
+                    emb = f.get_tensor(candidates[0])
+                except (TypeError, AttributeError):  # a dtype numpy lacks, e.g. bfloat16
+                    emb = _float32_through_torch(path, candidates[0])
         except SafetensorError as e:
             raise InputError(f"{path}: not a safetensors file ({e})") from None
     else:
         raise InputError(f"{path}: embeddings must be a .npy or .safetensors file")
     check_embeddings(emb, vocab_size, where=str(path))
     return np.asarray(emb, np.float32)
+
+
+def _float32_through_torch(path: Path, name: str) -> np.ndarray:
+    """Tensor ``name`` of a safetensors file as float32, read by torch (bfloat16 and the like)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            tensor = f.get_tensor(name)
+        if not tensor.is_floating_point():
+            raise InputError(f"{path}: dtype {tensor.dtype} is not floating point")
+        return tensor.float().numpy()
+    except (ImportError, TypeError, RuntimeError) as e:
+        raise InputError(f"{path}: tensor {name!r} cannot be read as floats ({e})") from None
 
 
 def nearest_known_tokens(embeddings: np.ndarray, seen: np.ndarray) -> np.ndarray:

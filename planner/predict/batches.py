@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import sparse
 
-from planner.errors import SchemaError
+from planner.errors import InputError, SchemaError
 
 BATCH_TOKENS = 4096  # DESIGN.md: the runtime batch of the bounded-imbalance metric
 MAX_BATCHES = 64
@@ -65,9 +65,12 @@ class BatchMix:
         try:
             shape = tuple(int(s) for s in tensors["shape"])
             batch_tokens, stride = (int(s) for s in tensors["settings"])
-            counts = sparse.csr_array(
-                (tensors["data"], tensors["indices"], tensors["indptr"]), shape=shape
-            )
+            parts = [tensors[name] for name in ("data", "indices", "indptr")]
+            if any(a.dtype.kind not in "iu" for a in parts):
+                raise TypeError("data, indices and indptr must hold integers")
+            counts = sparse.csr_array(tuple(parts), shape=shape)
+            # Out-of-range indices would crash scipy's routines later: check them now.
+            counts.check_format(full_check=True)
         except (KeyError, ValueError, TypeError) as e:
             raise SchemaError(f"batch mix tensors are malformed ({e})") from None
         if shape[1] != vocab_size or batch_tokens < 1 or stride < 1:
@@ -86,6 +89,8 @@ class BatchMixAccumulator:
     def __init__(
         self, vocab_size: int, batch_tokens: int = BATCH_TOKENS, max_batches: int = MAX_BATCHES
     ):
+        if not isinstance(batch_tokens, int | np.integer) or batch_tokens < 1:
+            raise InputError(f"batch_tokens={batch_tokens!r} must be a positive integer")
         self.vocab_size = int(vocab_size)
         self.batch_tokens = int(batch_tokens)
         self.max_batches = int(max_batches)

@@ -42,6 +42,9 @@ from planner.trace.schema import (
     counts_arrow_schema,
 )
 
+# Counts summing to this much or more are refused: int64 sums (loads, row sums) would overflow.
+MAX_TOTAL_COUNT = 2.0**62
+
 # Shapes of models whose counts tables carry no moeplan metadata (the OLMoE export).
 # Matched by substring of the ``model`` column; flags override them.
 KNOWN_MODEL_SHAPES: dict[str, dict[str, int]] = {
@@ -386,6 +389,14 @@ def read_counts_table(
             )
     table = pq.read_table(path)
     model = _pick_model(table, selection.model, path)
+    if model is None and selection.model is not None:
+        # no model column: --model must name the model the metadata records
+        named = declared.get("model") or ""
+        if not named or selection.model.lower() not in named.lower():
+            raise InputError(
+                f"{path}: --model {selection.model!r} does not match the table, which records "
+                + (f"model {named!r}" if named else "no model; drop --model")
+            )
     if model is not None:
         table = table.filter(pc.equal(table.column("model").cast(pa.string()), model))
     # The model's layers, before any domain filter: every domain maps a model layer to
@@ -414,12 +425,13 @@ def read_counts_table(
             f"{path}: no rows left after selecting model {model!r} and domains {domains}"
         )
 
-    layer = table.column("layer").to_numpy().astype(np.int64)
-    token = table.column("token_id").to_numpy().astype(np.int64)
-    expert = table.column("expert").to_numpy().astype(np.int64)
-    count = table.column("count").to_numpy().astype(np.int64)
+    layer, token, expert, count = (
+        _int_column(table, name, path) for name in ("layer", "token_id", "expert", "count")
+    )
     if (count < 0).any():
         raise SchemaError(f"{path}: negative count {int(count.min())}")
+    if float(count.sum(dtype=np.float64)) >= MAX_TOTAL_COUNT:
+        raise SchemaError(f"{path}: the counts sum to more than 2**62 (int64 sums would overflow)")
 
     shape = _resolve_shape(path, model, declared, selection)
     if declared and "num_layers" in declared:
@@ -441,6 +453,29 @@ def read_counts_table(
     )
     out = counts_from_triples(meta, moe_index, token, expert, count)
     return TokenExpertCounts(out.meta, out.by_layer, domains)
+
+
+def _int_column(table: pa.Table, name: str, path: Path) -> np.ndarray:
+    """Column ``name`` as int64; SchemaError for nulls, non-numeric types or non-integer values."""
+    column = table.column(name)
+    kind = column.type
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
+        raise SchemaError(f"{path}: column {name} is {column.type}, expected integers")
+    if column.null_count:
+        raise SchemaError(f"{path}: column {name} holds {column.null_count} null value(s)")
+    values = column.to_numpy()
+    if values.dtype.kind == "f":
+        with np.errstate(invalid="ignore"):
+            bad = ~np.isfinite(values) | (values != np.round(values)) | (np.abs(values) >= 2.0**63)
+        if bad.any():
+            raise SchemaError(
+                f"{path}: column {name} holds {float(values[bad][0])}, not an integer"
+            )
+    elif values.dtype == np.uint64 and values.size and int(values.max()) >= 2**63:
+        raise SchemaError(f"{path}: column {name} holds {int(values.max())}, beyond int64")
+    return values.astype(np.int64)
 
 
 def _check_declared(path: Path, declared: object) -> None:

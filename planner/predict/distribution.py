@@ -41,11 +41,18 @@ class DistributionPredictor:
     def partial_fit(self, load: np.ndarray) -> DistributionPredictor:
         """Fold in one batch's routed activations ``load`` [L, N] (non-negative counts)."""
         load = np.asarray(load)
-        if load.ndim != 2:
+        if load.ndim != 2 or load.shape[1] == 0:
             raise InputError(f"load must be [layers, experts], got shape {load.shape}")
+        if load.dtype.kind not in "iuf" or not np.isfinite(load).all():
+            raise InputError(f"load must hold finite counts, not {load.dtype} values")
         if load.size and load.min() < 0:
             raise InputError("load holds negative counts")
-        if self.momentum is not None and not 0.0 < float(self.momentum) <= 1.0:
+        momentum = self.momentum
+        if momentum is not None and (
+            isinstance(momentum, bool)
+            or not isinstance(momentum, int | float | np.number)
+            or not 0.0 < float(momentum) <= 1.0
+        ):
             raise InputError(f"momentum={self.momentum!r} must lie in (0, 1] or be None")
         if not hasattr(self, "load_"):
             self.load_ = np.zeros(load.shape, np.int64)
@@ -101,6 +108,18 @@ class DistributionPredictor:
             raise SchemaError(f"distribution tensors have shape {p.shape}, expected {shape}")
         if not np.isfinite(p).all() or (p < 0).any():
             raise SchemaError("distribution probabilities must be finite and non-negative")
+        if p.size and not np.allclose(p.sum(axis=1), 1.0, rtol=0.0, atol=1e-6):
+            raise SchemaError("distribution probabilities must sum to 1 in every layer")
+        if load.dtype.kind not in "iu" or (load < 0).any():
+            raise SchemaError("distribution load must hold non-negative integer counts")
+        if batches.shape != (1,) or batches.dtype.kind not in "iu" or batches[0] < 0:
+            raise SchemaError("distribution batches must be one non-negative integer")
+        if momentum is not None and not (
+            isinstance(momentum, int | float)
+            and not isinstance(momentum, bool)
+            and 0.0 < momentum <= 1.0
+        ):
+            raise SchemaError(f"distribution momentum {momentum!r} must lie in (0, 1] or be None")
         self = cls(momentum=momentum)
         self.probabilities_ = p.astype(np.float64)
         self.load_ = load.astype(np.int64)
@@ -119,7 +138,7 @@ def empirical_distribution(load: np.ndarray) -> np.ndarray:
 def error_rate(p_hat: np.ndarray, p: np.ndarray) -> np.ndarray:
     """[L] MoE-GPS error rate per layer: mean over experts of ``|p_hat - p| / (1/N)``."""
     p_hat, p = np.asarray(p_hat, np.float64), np.asarray(p, np.float64)
-    if p_hat.shape != p.shape:
+    if p_hat.shape != p.shape or p.ndim != 2:
         raise InputError(f"distributions of shapes {p_hat.shape} and {p.shape} cannot be compared")
     return np.abs(p_hat - p).mean(axis=1) * p.shape[1]
 

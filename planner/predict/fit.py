@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from planner._checks import is_integer
 from planner.errors import InputError
 from planner.predict.affinity import TokenExpertAffinity, load_embeddings
 from planner.predict.batches import BATCH_TOKENS, BatchMixAccumulator
@@ -42,7 +43,7 @@ from planner.predict.reliability import (
     sampled_layers,
     spread_to_layers,
 )
-from planner.predict.split import RequestSplit, check_fraction, thin_counts
+from planner.predict.split import RequestSplit, check_fraction, check_seed, thin_counts
 from planner.trace.io import DEFAULT_BATCH_ROWS, EMBEDDINGS_FILE, open_trace
 
 
@@ -111,13 +112,16 @@ def fit_predictor(path: str | Path, config: FitConfig = FitConfig()) -> FitResul
     path = Path(path)
     if config.holdout is not None:
         check_fraction(config.holdout)
+    # the folds of the token shrinkage are drawn with seed + FOLD_SEED_OFFSET
+    if check_seed(config.seed) + FOLD_SEED_OFFSET >= 2**64:
+        raise InputError(f"seed {config.seed!r} must be below 2**64 - {FOLD_SEED_OFFSET}")
     if not isinstance(config.batch_rows, int) or config.batch_rows < 1:
         raise InputError(f"batch_rows={config.batch_rows!r} must be a positive integer")
     if not isinstance(config.batch_tokens, int) or config.batch_tokens < 1:
         raise InputError(f"batch_tokens={config.batch_tokens!r} must be a positive integer")
-    if not isinstance(config.ep_size, int) or config.ep_size < 1:
+    if not is_integer(config.ep_size) or config.ep_size < 1:
         raise InputError(f"ep_size={config.ep_size!r} must be a positive integer")
-    if config.ngram_order not in (1, 2, 3):
+    if not is_integer(config.ngram_order) or config.ngram_order not in (1, 2, 3):
         raise InputError(f"ngram_order={config.ngram_order!r} must be 1, 2 or 3")
     if is_counts_table(path):
         return _fit_counts(path, config)
@@ -131,9 +135,14 @@ def fit_predictor(path: str | Path, config: FitConfig = FitConfig()) -> FitResul
 
 
 def _fit_components(
-    counts: TokenExpertCounts, config: FitConfig
+    counts: TokenExpertCounts, config: FitConfig, fingerprint: str | None = None
 ) -> tuple[TokenExpertAffinity, NeuralPredictor | None, dict]:
-    emb = load_embeddings(config.embeddings, counts.meta.vocab_size) if config.embeddings else None
+    """``fingerprint``: refuse embeddings that record another model's (traces)."""
+    emb = (
+        load_embeddings(config.embeddings, counts.meta.vocab_size, fingerprint)
+        if config.embeddings
+        else None
+    )
     t0 = time.perf_counter()
     affinity = TokenExpertAffinity(confident_threshold=config.confident_threshold).fit(counts, emb)
     timings = {
@@ -201,7 +210,7 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
         raise InputError(f"{path}: no token occurrences to fit on")
     if not ema:  # the exact MLE over the fitting rows, unknown tokens included
         distribution.partial_fit(counts.load() + unknown_load)
-    affinity, neural, timings = _fit_components(counts, config)
+    affinity, neural, timings = _fit_components(counts, config, meta.fingerprint())
     shrinkage = None
     if fold_acc is not None:
         fold_b = fold_acc.result().by_layer

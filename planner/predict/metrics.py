@@ -69,6 +69,9 @@ NOT_FROM_COUNTS = (
 )
 # Tokens used to time a predictor's lookups.
 _COST_TOKENS = 4096
+# The n-gram figure's table has E**(n+1) (context, device) cells, each held in a few float64
+# arrays while it is fitted: beyond this many (about 10 GB) it is reported unavailable.
+_MAX_NGRAM_CELLS = 2**28
 
 
 def _r(x) -> float | None:
@@ -185,18 +188,26 @@ def kurtosis_summary(counts: TokenExpertCounts, min_occurrences: int = 2) -> dic
     }
 
 
+def _nanmean(x: np.ndarray) -> float | None:
+    """Mean of the finite values (layers with load), None without any (and no warning)."""
+    x = x[np.isfinite(x)]
+    return _r(x.mean()) if x.size else None
+
+
 def distribution_summary(
     distribution: DistributionPredictor, heldout_load: np.ndarray, fit_load: np.ndarray
 ) -> dict:
     err = error_rate(distribution.predict(), empirical_distribution(heldout_load))
+    # a layer without held-out activations has no empirical distribution to compare with
+    err[np.asarray(heldout_load).sum(axis=1) == 0] = np.nan
     skew_h, skew_f = load_skewness(heldout_load), load_skewness(fit_load)
     return {
-        "error_rate": {"per_layer": [_r(x) for x in err], "overall": _r(err.mean())},
+        "error_rate": {"per_layer": [_r(x) for x in err], "overall": _nanmean(err)},
         "skewness_heldout": {
             "per_layer": [_r(x) for x in skew_h],
-            "overall": _r(np.nanmean(skew_h)),
+            "overall": _nanmean(skew_h),
         },
-        "skewness_fit": {"per_layer": [_r(x) for x in skew_f], "overall": _r(np.nanmean(skew_f))},
+        "skewness_fit": {"per_layer": [_r(x) for x in skew_f], "overall": _nanmean(skew_f)},
         "heldout_activations": int(heldout_load.sum()),
     }
 
@@ -374,6 +385,12 @@ def _ngram_unavailable_reason(parts: HeldoutParts, n: int, big_l: int) -> str | 
     if big_l <= parts.ngram_order:
         return (
             f"the model has {big_l} MoE layers, not more than the n-gram order {parts.ngram_order}"
+        )
+    cells = parts.ep_size ** (parts.ngram_order + 1)
+    if cells > _MAX_NGRAM_CELLS:
+        return (
+            f"{parts.ep_size} devices at order {parts.ngram_order} make {cells:.3g} (context, "
+            f"device) cells, more than {_MAX_NGRAM_CELLS:.3g}; lower --ep-size or --ngram-order"
         )
     return None
 

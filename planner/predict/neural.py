@@ -63,6 +63,9 @@ class NeuralConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InputError(f"neural {name}={value!r} must be a positive integer")
+        numbers = (self.time_budget_s, self.lr)
+        if not all(isinstance(x, int | float) and not isinstance(x, bool) for x in numbers):
+            raise InputError("neural time_budget_s and lr must be numbers")
         if not self.time_budget_s > 0 or not self.lr > 0:
             raise InputError("neural time_budget_s and lr must be positive")
 
@@ -236,6 +239,11 @@ class NeuralPredictor:
         cls, tensors: dict[str, np.ndarray], settings: dict, vocab_size: int
     ) -> NeuralPredictor:
         torch = _torch()
+        for name, value in tensors.items():
+            if value.dtype != np.float32 or not np.isfinite(value).all():
+                raise SchemaError(
+                    f"neural tensor {name!r} must hold finite float32 values (it is {value.dtype})"
+                )
         try:
             self = cls(NeuralConfig(**settings["config"]))
             big_l, n, k = settings["num_layers"], settings["num_experts"], settings["top_k"]

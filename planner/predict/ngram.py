@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import sparse
 
+from planner._checks import is_integer
 from planner.errors import InputError, MismatchError, SchemaError
 from planner.export.bundle import ngram_row_index
 from planner.predict.counts import SortedKeyCounter
@@ -87,6 +88,8 @@ class TopOneTransitions:
         k, c, off = self.keys, self.counts, self.layer_offsets
         if k.ndim != 2 or k.shape[1] != _WIDTH + 1 or c.shape != (k.shape[0],):
             raise SchemaError(f"transitions keys {k.shape} / counts {c.shape} are not [M, 5] / [M]")
+        if k.dtype.kind not in "iu" or c.dtype.kind not in "iu" or off.dtype.kind not in "iu":
+            raise SchemaError("transitions keys, counts and layer_offsets must hold integers")
         if (
             off.ndim != 1
             or off.shape[0] < 2
@@ -101,6 +104,17 @@ class TopOneTransitions:
             raise SchemaError(f"transitions hold expert ids outside [-1, {self.num_experts})")
         if c.size and int(c.min()) <= 0:
             raise SchemaError("transitions counts must be positive")
+        # Layer l's tuple holds the top-1 expert of layer l - i in column MAX_ORDER - i: -1
+        # exactly when l - i < 0. The routed expert and its rank are never negative.
+        layer = np.repeat(np.arange(off.shape[0] - 1), np.diff(off))
+        before_first = layer[:, None] < np.arange(MAX_ORDER, 0, -1)[None, :]  # [M, 3]
+        if k.size and (
+            ((k[:, :MAX_ORDER] < 0) != before_first).any() or int(k[:, MAX_ORDER:].min()) < 0
+        ):
+            raise SchemaError(
+                "transitions tuples hold expert -1 where the layer has a previous layer, "
+                "or a negative routed expert or rank"
+            )
 
     @property
     def num_layers(self) -> int:
@@ -263,7 +277,8 @@ def fit_ngram_device_table(
     with confidence 0; so do rows whose context was never seen when ``backoff`` is 0.
     """
     e2d = _check_table_args(transitions, expert_to_device, ep_size, order, target)
-    if not (math.isfinite(backoff) and backoff >= 0):
+    number = isinstance(backoff, int | float | np.number) and not isinstance(backoff, bool)
+    if not (number and math.isfinite(backoff) and backoff >= 0):
         raise InputError(f"n-gram backoff {backoff!r} must be a number >= 0")
     big_l = transitions.num_layers
     rows_per_layer = ep_size**order
@@ -323,6 +338,8 @@ def ngram_context_affinity(
     contexts seen in fitting have entries.
     """
     e2d = _check_table_args(transitions, expert_to_device, ep_size, order, target)
+    if not is_integer(layer) or not 0 <= layer < transitions.num_layers:
+        raise InputError(f"layer {layer!r} outside [0, {transitions.num_layers})")
     shape = (ep_size**order, transitions.num_experts)
     tuples, counts = target_tuples(transitions, layer, target)
     if layer < order or tuples.shape[0] == 0:
@@ -343,7 +360,7 @@ def _check_table_args(
     target: str,
 ) -> np.ndarray:
     """Validate the arguments shared by the table fit and the context affinity; -> [L, N] int64."""
-    if order not in range(1, MAX_ORDER + 1):
+    if not is_integer(order) or order not in range(1, MAX_ORDER + 1):
         raise InputError(f"ngram order {order!r} must be 1, 2 or 3")
     if target not in TARGETS:
         raise InputError(f"n-gram target {target!r} must be one of {', '.join(TARGETS)}")

@@ -95,9 +95,21 @@ class Predictor:
         b = self.batches
         if b is not None and b.counts.shape[1] != m.vocab_size:
             raise MismatchError("batch mix was counted over another vocabulary")
+        nn = self.neural
+        if nn is not None:
+            nn._check_fitted()
+            shapes = (nn.num_layers_, nn.num_experts_, nn.top_k_, nn.features_.shape[0] - 1)
+            if shapes != (m.num_layers, m.num_experts, m.top_k, m.vocab_size):
+                raise MismatchError(
+                    f"the neural predictor has (L, N, k, V) = {shapes}, expected "
+                    f"({m.num_layers}, {m.num_experts}, {m.top_k}, {m.vocab_size})"
+                )
         if self.token_shrinkage is not None:
             try:
-                shrink = np.asarray(self.token_shrinkage, np.float64)
+                shrink = np.asarray(self.token_shrinkage)
+                if shrink.dtype.kind not in "iuf":  # not bools, strings or objects
+                    raise TypeError
+                shrink = shrink.astype(np.float64)
             except (TypeError, ValueError):
                 shrink = np.full(1, np.nan)
             if shrink.shape != (m.num_layers,) or not (np.isfinite(shrink) & (shrink >= 0)).all():
@@ -201,6 +213,23 @@ class Predictor:
             raise SchemaError(f"{manifest_path}: manifest lacks {e}") from None
         if manifest.get("fingerprint") != meta.fingerprint():
             raise SchemaError(f"{manifest_path}: fingerprint does not match the model metadata")
+        if not isinstance(files, dict) or not all(
+            isinstance(name, str) and _plain_name(name) and isinstance(info, dict)
+            for name, info in files.items()
+        ):
+            raise SchemaError(
+                f"{manifest_path}: 'files' must map the names of files in the predictor "
+                'directory to {"sha256": ...}'
+            )
+        for key, optional in (("affinity", False), ("distribution", True)):
+            value = manifest.get(key)
+            if not (isinstance(value, dict) or (optional and value is None)):
+                raise SchemaError(f"{manifest_path}: '{key}' must be a JSON object")
+        threshold = aff_settings.get("confident_threshold", 0.5)
+        if not _is_number(threshold):
+            raise SchemaError(
+                f"{manifest_path}: affinity confident_threshold={threshold!r} is not a number"
+            )
         for name, info in files.items():
             f = path / name
             if not f.is_file():
@@ -222,7 +251,7 @@ class Predictor:
             meta,
             tensors("affinity.safetensors"),
             fallback=aff_settings.get("fallback", "global"),
-            confident_threshold=float(aff_settings.get("confident_threshold", 0.5)),
+            confident_threshold=float(threshold),
         )
         distribution = DistributionPredictor.from_tensors(
             tensors("distribution.safetensors"),
@@ -250,7 +279,10 @@ class Predictor:
             batches = BatchMix.from_tensors(tensors("batches.safetensors"), meta.vocab_size)
         report = None
         if REPORT in files:
-            report = json.loads((path / REPORT).read_text())
+            try:
+                report = json.loads((path / REPORT).read_text())
+            except ValueError as e:  # UnicodeDecodeError included
+                raise SchemaError(f"{path / REPORT}: not valid JSON ({e})") from None
         return cls(
             meta,
             affinity,
@@ -262,6 +294,15 @@ class Predictor:
             batches,
             manifest.get("token_shrinkage"),
         )
+
+
+def _plain_name(name: str) -> bool:
+    """A file name directly inside the predictor directory (no separators, no '..')."""
+    return name not in ("", ".", "..") and Path(name).name == name and "\\" not in name
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def check_destination(path: str | Path, inputs: tuple = ()) -> Path:

@@ -14,6 +14,11 @@ def _fmt(x, pct: bool = True) -> str:
     return f"{100 * x:.1f}" if pct else f"{x:.2f}"
 
 
+def _us(x) -> str:
+    """A prediction cost in µs; "-" when none was measured (no held-out tokens)."""
+    return "-" if x is None else f"{x:.3g}"
+
+
 def _col(d: dict | None, metric: str, i: int | None):
     if d is None or d.get(metric) is None:
         return None
@@ -102,9 +107,9 @@ def render_report(report: dict) -> Group:
     else:
         lines.append(Text(f"unseen tokens: precision {_fmt(un)}% with the global top-k fallback"))
     cost = report["cost"]
-    cost_line = f"prediction cost (all layers): table {cost['table_us_per_token']:.3g} µs/token"
+    cost_line = f"prediction cost (all layers): table {_us(cost['table_us_per_token'])} µs/token"
     if neural:
-        cost_line += f", neural {cost['neural_us_per_token']:.3g} µs/token"
+        cost_line += f", neural {_us(cost['neural_us_per_token'])} µs/token"
         tr = neural["train"]
         cost_line += (
             f" (trained {tr['steps']} steps in {tr['seconds']:.1f} s on {tr['input']}, "

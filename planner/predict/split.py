@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 from scipy import sparse
 
+from planner._checks import is_integer
 from planner._io import atomic_path, check_output
 from planner.errors import InputError
 from planner.predict.counts import TokenExpertCounts
@@ -39,6 +40,14 @@ def check_fraction(fraction: float, what: str = "holdout") -> float:
     if not 0.0 < f < 1.0:
         raise InputError(f"{what} fraction {fraction!r} must lie strictly between 0 and 1")
     return f
+
+
+def check_seed(seed: object) -> int:
+    """``seed`` as an int in [0, 2**64) (what numpy's and torch's generators take), else
+    :class:`InputError`."""
+    if not is_integer(seed) or not 0 <= int(seed) < 2**64:  # type: ignore[call-overload]
+        raise InputError(f"seed {seed!r} must be an integer in [0, 2**64)")
+    return int(seed)  # type: ignore[call-overload]
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,7 @@ class RequestSplit:
     def make(cls, request_ids: np.ndarray, fraction: float, seed: int = 0) -> RequestSplit:
         """Hold out a seeded random ``fraction`` of the distinct ``request_ids``."""
         f = check_fraction(fraction)
+        seed = check_seed(seed)
         ids = np.unique(np.asarray(request_ids, np.int64))
         if ids.size < 2:
             raise InputError(
@@ -94,7 +104,7 @@ def thin_counts(
 ) -> tuple[TokenExpertCounts, TokenExpertCounts]:
     """(fit, held-out) counts: each activation held out with probability ``fraction``."""
     f = check_fraction(fraction)
-    rng = np.random.default_rng([int(seed), 0x7417])
+    rng = np.random.default_rng([check_seed(seed), 0x7417])
     fit: list[sparse.csr_array] = []
     held: list[sparse.csr_array] = []
     for mat in counts.by_layer:

@@ -1,0 +1,379 @@
+"""Edge cases and bad input of ``moeplan fit`` and the predictor: clear one-line errors, no
+tracebacks, nothing of the user's lost, no silently wrong numbers."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import warnings
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from rich.console import Console
+from safetensors.numpy import load_file, save_file
+
+from planner._io import sha256_file
+from planner.cli.main import main
+from planner.errors import InputError, MismatchError, SchemaError
+from planner.predict.affinity import TokenExpertAffinity, load_embeddings
+from planner.predict.batches import BatchMix, BatchMixAccumulator
+from planner.predict.distribution import DistributionPredictor
+from planner.predict.fit import FitConfig, fit_predictor
+from planner.predict.metrics import distribution_summary
+from planner.predict.neural import NeuralConfig
+from planner.predict.ngram import (
+    TopOneTransitions,
+    contiguous_placement,
+    fit_ngram_device_table,
+    ngram_context_affinity,
+)
+from planner.predict.predictor import MANIFEST, REPORT, Predictor, load_predictor
+from planner.predict.report import render_report
+from planner.predict.split import RequestSplit, thin_counts
+from planner.trace.io import open_trace
+from tests.predict.conftest import synth_trace
+
+
+@pytest.fixture(scope="module")
+def saved(exact_trace, tmp_path_factory):
+    """A predictor directory with every part (report, transitions, batches, neural)."""
+    path, _ = exact_trace
+    cfg = FitConfig(holdout=0.3, neural=True, neural_config=NeuralConfig(max_steps=5))
+    out = tmp_path_factory.mktemp("edge") / "pred"
+    fit_predictor(path, cfg).predictor.save(out)
+    return out
+
+
+def _copy(saved, tmp_path):
+    return shutil.copytree(saved, tmp_path / "pred")
+
+
+def _edit_manifest(pred, edit) -> None:
+    manifest = json.loads((pred / MANIFEST).read_text())
+    edit(manifest)
+    (pred / MANIFEST).write_text(json.dumps(manifest))
+
+
+def _edit_tensors(pred, name: str, edit) -> None:
+    """Rewrite ``name`` with ``edit`` applied and its checksum updated (a consistent edit)."""
+    tensors = dict(load_file(str(pred / name)))
+    edit(tensors)
+    save_file(tensors, str(pred / name))
+    _edit_manifest(pred, lambda m: m["files"][name].update(sha256=sha256_file(pred / name)))
+
+
+def _fails_one_line(capsys, args: list[str], message: str) -> None:
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()  # (a progress bar may leave a blank line first)
+    assert err.startswith("moeplan: error:") and message in err and "\n" not in err, err
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda m: m.update(files=["affinity.safetensors"]),
+        lambda m: m["files"].update({"affinity.safetensors": "abc"}),
+        lambda m: m.update(affinity=[1]),
+        lambda m: m.update(distribution="x"),
+        lambda m: m["affinity"].update(confident_threshold="abc"),
+        lambda m: m["affinity"].update(confident_threshold=None),
+        lambda m: m["distribution"].update(momentum="fast"),
+    ],
+    ids=[
+        "files-list", "files-entry", "affinity-list", "distribution-str",
+        "threshold-str", "threshold-null", "momentum-str",
+    ],
+)  # fmt: skip
+def test_manifest_sections_of_the_wrong_type_are_refused(saved, tmp_path, edit):
+    # Before: AttributeError / TypeError / ValueError tracebacks, or a bad momentum kept.
+    pred = _copy(saved, tmp_path)
+    _edit_manifest(pred, edit)
+    with pytest.raises(SchemaError):
+        load_predictor(pred)
+
+
+def test_manifest_files_outside_the_directory_are_refused(saved, tmp_path):
+    # Before: a listed "../x" with its right checksum was read from outside the predictor.
+    pred = _copy(saved, tmp_path)
+    (tmp_path / "x").write_text("x")
+    _edit_manifest(
+        pred, lambda m: m["files"].update({"../x": {"sha256": sha256_file(tmp_path / "x")}})
+    )
+    with pytest.raises(SchemaError, match="files"):
+        load_predictor(pred)
+
+
+def test_a_report_that_is_not_json_is_refused(saved, tmp_path):
+    pred = _copy(saved, tmp_path)
+    (pred / REPORT).write_text("{not json")
+    _edit_manifest(pred, lambda m: m["files"][REPORT].update(sha256=sha256_file(pred / REPORT)))
+    with pytest.raises(SchemaError, match="not valid JSON"):
+        load_predictor(pred)
+
+
+def test_neural_predictor_of_another_shape_or_dtype_is_refused(saved, tmp_path):
+    # Before: top_k 9 of 8 experts loaded and failed at prediction time (RuntimeError), and
+    # float64 features loaded and failed in the first matmul.
+    pred = _copy(saved, tmp_path)
+    _edit_manifest(pred, lambda m: m["neural"].update(top_k=m["model"]["num_experts"] + 1))
+    with pytest.raises(MismatchError, match="neural"):
+        load_predictor(pred)
+    shutil.rmtree(pred)
+    pred = _copy(saved, tmp_path)
+    _edit_tensors(
+        pred,
+        "neural.safetensors",
+        lambda t: t.update(features=t["features"].astype(np.float64)),
+    )
+    with pytest.raises(SchemaError, match="float32"):
+        load_predictor(pred)
+
+
+def test_token_shrinkage_must_hold_numbers(saved, tmp_path):
+    pred = _copy(saved, tmp_path)
+    _edit_manifest(pred, lambda m: m.update(token_shrinkage=["1"] * len(m["token_shrinkage"])))
+    with pytest.raises(SchemaError, match="token_shrinkage"):
+        load_predictor(pred)
+
+
+@pytest.mark.parametrize(
+    "name, edit",
+    [
+        ("affinity.safetensors", lambda t: t.update(data=np.full(t["data"].shape, np.nan))),
+        ("affinity.safetensors", lambda t: t.update(data=t["data"] + 0.5)),
+        ("distribution.safetensors", lambda t: t.update(batches=np.zeros(0, np.int64))),
+        ("distribution.safetensors", lambda t: t.update(probabilities=3 * t["probabilities"])),
+        ("distribution.safetensors", lambda t: t.update(load=-t["load"])),
+        ("batches.safetensors", lambda t: t.update(indices=t["indices"] + 10**6)),
+        ("batches.safetensors", lambda t: t.update(indices=t["indices"] - 10**6)),
+        # the routed expert of every tuple -1: read as the last expert by numpy indexing
+        ("transitions.safetensors", lambda t: t["keys"].__setitem__((slice(None), 3), -1)),
+        # a context expert -1 at the last layer, which has previous layers
+        ("transitions.safetensors", lambda t: t["keys"].__setitem__((-1, 2), -1)),
+    ],
+    ids=[
+        "affinity-nan", "affinity-fraction", "distribution-batches", "distribution-sum",
+        "distribution-negative", "batches-index-high", "batches-index-negative",
+        "transitions-routed", "transitions-context",
+    ],
+)  # fmt: skip
+def test_tensors_edited_consistently_are_refused(saved, tmp_path, name, edit):
+    # Before: ValueError/IndexError tracebacks, silently wrong tables, or (batch mix with an
+    # index out of range) a segmentation fault at the first use of the loaded predictor.
+    pred = _copy(saved, tmp_path)
+    _edit_tensors(pred, name, edit)
+    with pytest.raises(SchemaError):
+        Predictor.load(pred)
+
+
+def test_batch_mix_indices_are_checked_on_load():
+    mix = BatchMixAccumulator(vocab_size=5, batch_tokens=2)
+    mix.add(np.array([0, 1, 4, 4]))
+    tensors = mix.result().to_tensors()
+    tensors["indices"] = tensors["indices"] + 7
+    with pytest.raises(SchemaError, match="malformed"):
+        BatchMix.from_tensors(tensors, 5)
+
+
+@pytest.mark.parametrize("batch_tokens", [0, -3])
+def test_batch_accumulator_refuses_a_non_positive_batch(batch_tokens):
+    # Before: accepted, and the first add() never returned.
+    with pytest.raises(InputError, match="batch_tokens"):
+        BatchMixAccumulator(vocab_size=5, batch_tokens=batch_tokens)
+
+
+def test_negative_seeds_are_one_line_errors(exact_trace, tmp_path, capsys):
+    # Before: numpy's ValueError traceback ("expected non-negative integer") for a split,
+    # and torch's overflow for a seed beyond 2**64 with --neural.
+    path, _ = exact_trace
+    fit = ["fit", str(path), "--out", str(tmp_path / "p")]
+    _fails_one_line(capsys, [*fit, "--holdout", "0.5", "--seed", "-1"], "seed -1")
+    _fails_one_line(capsys, [*fit, "--seed", str(2**70), "--neural"], "seed")
+    split = ["trace", "split", str(path), "--fit-out", str(tmp_path / "a")]
+    _fails_one_line(capsys, [*split, "--heldout-out", str(tmp_path / "b"), "--seed", "-2"], "seed")
+    with pytest.raises(InputError, match="seed"):
+        RequestSplit.make(np.arange(4), 0.5, seed=-5)
+    with pytest.raises(InputError, match="seed"):
+        thin_counts(None, 0.5, seed=-5)  # type: ignore[arg-type]
+
+
+def test_an_empty_npy_file_is_an_error_not_an_abort(exact_trace, tmp_path, capsys):
+    # Before: np.load raised EOFError, which click turns into "Aborted!" and exit code 1/130.
+    path, _ = exact_trace
+    (tmp_path / "emb.npy").write_bytes(b"")
+    args = [
+        "fit",
+        str(path),
+        "--out",
+        str(tmp_path / "p"),
+        "--embeddings",
+        str(tmp_path / "emb.npy"),
+    ]
+    _fails_one_line(capsys, args, "not a .npy array")
+
+
+def test_embeddings_inside_the_output_directory_are_not_deleted(
+    saved, exact_trace, tmp_path, capsys
+):
+    # Before: the old predictor directory was replaced, deleting the embeddings it was given.
+    path, gen = exact_trace
+    pred = _copy(saved, tmp_path)
+    emb = pred / "emb.npy"
+    np.save(emb, np.random.default_rng(0).normal(size=(gen.config.vocab_size, 4)).astype("f4"))
+    before = emb.read_bytes()
+    args = ["fit", str(path), "--out", str(pred), "--embeddings", str(emb)]
+    _fails_one_line(capsys, args, "reads its input")
+    assert emb.read_bytes() == before
+
+
+def _counts_table(path, count, meta_extra=None, count_type=None):
+    meta = {"schema": "counts", "schema_version": 1, "num_layers": 1, "num_experts": 4,
+            "top_k": 2, "vocab_size": 10} | (meta_extra or {})  # fmt: skip
+    n = len(count)
+    table = pa.table({
+        "layer": pa.array([0] * n, pa.int16()),
+        "token_id": pa.array([1 + i // 4 for i in range(n)], pa.int32()),
+        "expert": pa.array([i % 4 for i in range(n)], pa.int16()),
+        "count": pa.array(count, count_type or pa.int64()),
+    }).replace_schema_metadata({b"moeplan": json.dumps(meta).encode()})  # fmt: skip
+    pq.write_table(table, path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "count, count_type, message",
+    [
+        ([1.5, 2.0], pa.float64(), "not an integer"),  # before: silently truncated to 1
+        ([float("nan"), 2.0], pa.float64(), "not an integer"),  # before: "negative count -9.2e18"
+        ([None, 2], None, "null"),  # before: the same misleading "negative count"
+        (["3", "2"], pa.string(), "expected integers"),  # before: parsed as numbers
+        ([2**63 + 5, 1], pa.uint64(), "beyond int64"),  # before: "negative count"
+        ([2**62] * 4, None, "2**62"),  # before: the int64 sums wrapped to 0 (or garbage)
+    ],
+    ids=["fraction", "nan", "null", "string", "uint64", "overflow"],
+)
+def test_counts_tables_with_bad_counts_are_refused(tmp_path, capsys, count, count_type, message):
+    path = _counts_table(tmp_path / "c.parquet", count, count_type=count_type)
+    _fails_one_line(capsys, ["fit", str(path), "--out", str(tmp_path / "p")], message)
+
+
+def test_report_renders_without_heldout_tokens(tmp_path, capsys):
+    # Thinning a tiny table can leave nothing held out: the predictor was saved, then the
+    # text report crashed on the unmeasured prediction cost (TypeError traceback).
+    path = _counts_table(tmp_path / "c.parquet", [1, 1])
+    seed = next(
+        s
+        for s in range(100)
+        if fit_predictor(path, FitConfig(holdout=0.5, seed=s)).report["heldout_tokens"] == 0
+    )
+    capsys.readouterr()
+    args = ["fit", str(path), "--out", str(tmp_path / "p"), "--holdout", "0.5"]
+    assert main([*args, "--seed", str(seed)]) == 0
+    assert "table - µs/token" in capsys.readouterr().out
+    report = fit_predictor(path, FitConfig(holdout=0.5, seed=seed)).report
+    # no held-out activations: no distribution error to report (was 100% against uniform)
+    assert report["distribution"]["error_rate"]["per_layer"] == [None]
+    Console(file=io.StringIO()).print(render_report(report))
+
+
+def test_distribution_summary_of_an_empty_heldout_layer():
+    dist = DistributionPredictor().partial_fit(np.array([[4, 0], [1, 1]]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # before: "Mean of empty slice" RuntimeWarning
+        out = distribution_summary(dist, np.zeros((2, 2), np.int64), np.array([[4, 0], [1, 1]]))
+        assert out["skewness_heldout"]["overall"] is None
+        assert out["error_rate"]["per_layer"] == [None, None]
+        out = distribution_summary(dist, np.array([[1, 1], [0, 0]]), np.array([[4, 0], [1, 1]]))
+    # only layer 0 has held-out load: its error (|1 - .5| + |0 - .5|) / 2 * 2 = 1.0
+    assert out["error_rate"] == {"per_layer": [1.0, None], "overall": 1.0}
+
+
+def test_library_calls_with_odd_arguments_raise_input_errors(saved):
+    p = load_predictor(saved)
+    m = p.meta
+    for layer in (1.5, "0"):  # before: TypeError (tuple indices) after int() let 1.5 through
+        with pytest.raises(InputError, match="layer"):
+            p.affinity.predict_topk(np.array([1]), layer)
+    with pytest.raises(InputError, match="layer"):
+        p.affinity.layer_tables(m.num_layers)  # before: IndexError
+    e2d = contiguous_placement(m.num_layers, m.num_experts, 2)
+    for layer in (-1, m.num_layers):  # before: -1 silently empty, L an IndexError
+        with pytest.raises(InputError, match="layer"):
+            ngram_context_affinity(p.transitions, e2d, layer, 2, 2)
+    with pytest.raises(InputError, match="order"):
+        fit_ngram_device_table(p.transitions, e2d, 2, order=2.0)  # before: TypeError
+    with pytest.raises(InputError, match="backoff"):
+        fit_ngram_device_table(p.transitions, e2d, 2, backoff="x")  # before: TypeError
+    with pytest.raises(InputError, match="finite"):  # before: NaN probabilities, garbage load
+        DistributionPredictor().partial_fit(np.full((2, 2), np.nan))
+    with pytest.raises(InputError):  # before: ZeroDivisionError
+        DistributionPredictor().partial_fit(np.zeros((2, 0)))
+    with pytest.raises(InputError, match="momentum"):  # before: ValueError
+        DistributionPredictor("fast").partial_fit(np.ones((2, 2)))
+    with pytest.raises(InputError, match="confident_threshold"):  # before: ValueError
+        TokenExpertAffinity(confident_threshold="x").fit(None)  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="ngram_order"):  # before: accepted, TypeError later
+        fit_predictor("unused", FitConfig(ngram_order=2.0))  # type: ignore[arg-type]
+
+
+def test_transitions_of_a_real_fit_pass_the_new_checks(exact_trace):
+    # The checks accept what the accumulator writes, at every layer and context order.
+    path, _ = exact_trace
+    t = fit_predictor(path, FitConfig(ngram_routed=True)).predictor.transitions
+    again = TopOneTransitions(t.keys, t.counts, t.layer_offsets, t.num_experts)
+    assert again.num_layers == t.num_layers
+
+
+def test_an_ngram_figure_too_large_to_hold_is_reported_unavailable(synth_dir):
+    # Before: --ep-size 256 --ngram-order 3 asked numpy for 256**4 float64 cells (32 GiB)
+    # and ended in a MemoryError traceback.
+    path, _ = synth_trace(synth_dir, "wide", num_experts=256, num_tokens=400, num_requests=8)
+    report = fit_predictor(path, FitConfig(holdout=0.5, ep_size=256, ngram_order=3)).report
+    assert report["ngram"]["available"] is False
+    assert "lower --ep-size or --ngram-order" in report["ngram"]["reason"]
+
+
+def test_model_flag_must_match_a_counts_table_without_a_model_column(tmp_path, capsys):
+    # Before: --model was ignored for such a table, so the predictor silently held another
+    # model's counts (named after the table's metadata or file).
+    meta = {"model": "Mixtral-8x7B-test"}
+    path = _counts_table(tmp_path / "c.parquet", [3, 3], meta_extra=meta)
+    out = ["--out", str(tmp_path / "p")]
+    _fails_one_line(capsys, ["fit", str(path), "--model", "OLMoE", *out], "records model")
+    plain = _counts_table(tmp_path / "plain.parquet", [3, 3])
+    _fails_one_line(capsys, ["fit", str(plain), "--model", "OLMoE", *out], "records no model")
+    assert main(["fit", str(path), "--model", "mixtral", *out]) == 0  # a substring, any case
+    assert load_predictor(tmp_path / "p").meta.model == "Mixtral-8x7B-test"
+
+
+def test_bfloat16_embeddings_are_read(tmp_path):
+    # A model checkpoint's embed_tokens is usually bfloat16, a dtype numpy lacks. Before:
+    # "TypeError: data type 'bfloat16' not understood" (a traceback from `moeplan fit`).
+    import torch
+    from safetensors.torch import save_file as save_torch
+
+    weight = torch.randn(6, 4).to(torch.bfloat16)
+    save_torch({"model.embed_tokens.weight": weight}, str(tmp_path / "e.safetensors"))
+    emb = load_embeddings(tmp_path / "e.safetensors", 6)
+    assert emb.dtype == np.float32
+    np.testing.assert_array_equal(emb, weight.float().numpy())
+
+
+def test_embeddings_of_another_model_are_refused(exact_trace, tmp_path, capsys):
+    # `moeplan profile --save-embeddings` records the model's fingerprint; before, a file
+    # recording another model's was used for the nearest-token fallback all the same.
+    path, gen = exact_trace
+    v = gen.config.vocab_size
+    emb = np.random.default_rng(0).normal(size=(v, 4)).astype(np.float32)
+    other = {"model": "other/model", "fingerprint": "0123456789abcdef"}
+    save_file({"embeddings": emb}, str(tmp_path / "other.safetensors"), metadata=other)
+    args = ["fit", str(path), "--out", str(tmp_path / "p")]
+    _fails_one_line(capsys, [*args, "--embeddings", str(tmp_path / "other.safetensors")], "other")
+    meta = open_trace(path).meta
+    same = {"model": meta.model, "fingerprint": meta.fingerprint()}
+    save_file({"embeddings": emb}, str(tmp_path / "same.safetensors"), metadata=same)
+    assert main([*args, "--embeddings", str(tmp_path / "same.safetensors")]) == 0
