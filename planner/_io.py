@@ -38,12 +38,15 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
         if dest.is_dir() and not dest.is_symlink():
             if not tmp.is_dir():
                 raise InputError(f"{dest}: is a directory; a file cannot replace it")
-            # os.replace cannot replace a non-empty directory: swap via a backup name.
-            backup = dest.with_name(f".{dest.name}.old")
-            if backup.exists():
-                shutil.rmtree(backup)
+            # os.replace cannot replace a non-empty directory: swap via a backup name of its
+            # own (a fixed name could be a user's file), renamed onto a fresh empty directory
+            backup = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".old", dir=dest.parent))
             os.replace(dest, backup)
-            os.replace(tmp, dest)
+            try:
+                os.replace(tmp, dest)
+            except BaseException:
+                os.replace(backup, dest)
+                raise
             shutil.rmtree(backup)
         elif tmp.is_dir() and dest.exists():
             raise InputError(f"{dest}: exists and is a file; a directory cannot replace it")

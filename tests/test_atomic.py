@@ -66,3 +66,18 @@ def test_deeply_nested_json_is_one_line_error(tmp_path):
     path.write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(InputError, match="nested too deeply"):
         read_json_object(path, "predictor.json")
+
+
+def test_replacing_a_directory_leaves_other_files_beside_it(tmp_path):
+    # the backup was a fixed name, '.out.old', whose contents were deleted
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "a").write_text("old")
+    mine = tmp_path / ".out.old"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    with atomic_path(tmp_path / "out") as tmp:
+        tmp.mkdir()
+        (tmp / "a").write_text("new")
+    assert (tmp_path / "out" / "a").read_text() == "new"
+    assert (mine / "notes.txt").read_text() == "keep"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.old", "out"]
