@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 
 def is_integer(value: object) -> bool:
     """A Python or numpy integer, not a bool (``True`` is an ``int`` to Python)."""
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def is_finite_number(value: object) -> bool:
+    """A finite Python int or float, not a bool (e.g. a metric read from JSON)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

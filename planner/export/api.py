@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from planner._checks import is_finite_number
 from planner.errors import SchemaError
 from planner.export.bundle import Bundle, load_bundle_arrays, save_bundle, verify_bundle
 from planner.export.engines import EnginePlacement, get_format
@@ -22,10 +22,6 @@ from planner.solve.plan import PLAN_FILE, Plan
 
 # what a bundle's metrics take from each layer's solver report
 _REPORTED = ("local_rate", "token_imbalance")
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def bundle_from_plan(plan: Plan, metrics: dict[str, Any] | None = None) -> Bundle:
@@ -47,7 +43,7 @@ def bundle_from_plan(plan: Plan, metrics: dict[str, Any] | None = None) -> Bundl
             f"({meta.fingerprint()}, model {meta.model!r}); the plan was edited"
         )
     if metrics is None:
-        if not all(_is_number(r.get(k)) for r in plan.reports for k in _REPORTED):
+        if not all(is_finite_number(r.get(k)) for r in plan.reports for k in _REPORTED):
             raise SchemaError("plan: a layer report lacks numeric local_rate and token_imbalance")
         metrics = {
             "solver_local_rate": [round(r["local_rate"], 6) for r in plan.reports],

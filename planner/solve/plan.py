@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from planner._checks import is_integer
 from planner._io import atomic_path, check_output
 from planner.errors import InputError, MismatchError, SchemaError
 from planner.predict.ngram import MAX_ORDER
@@ -315,7 +316,7 @@ class Plan:
         object.__setattr__(self, "expert_to_device", x.astype(np.int16))
         object.__setattr__(self, "token_to_device", t.astype(np.int16))
         object.__setattr__(self, "token_confidence", c.astype(np.float16))
-        if not _is_int(self.ngram_order) or not 0 <= self.ngram_order <= MAX_ORDER:
+        if not is_integer(self.ngram_order) or not 0 <= self.ngram_order <= MAX_ORDER:
             raise SchemaError(f"plan: ngram_order={self.ngram_order!r} is not in [0, {MAX_ORDER}]")
         if (self.ngram_to_device is None) != (self.ngram_confidence is None):
             raise SchemaError("plan: ngram_to_device and ngram_confidence come together")
@@ -429,18 +430,14 @@ class Plan:
 _META_FIELDS = (
     ("model", lambda v: isinstance(v, dict), "a JSON object"),
     ("fingerprint", lambda v: isinstance(v, str), "a string"),
-    ("ep_size", lambda v: _is_int(v), "an integer"),
+    ("ep_size", is_integer, "an integer"),
     ("method", lambda v: isinstance(v, str), "a string"),
-    ("seed", lambda v: _is_int(v), "an integer"),
+    ("seed", is_integer, "an integer"),
     ("config", lambda v: isinstance(v, dict), "a JSON object"),
-    ("ngram_order", lambda v: _is_int(v), "an integer"),
+    ("ngram_order", is_integer, "an integer"),
     ("reports", lambda v: isinstance(v, list), "a list"),
 )
 _META_OPTIONAL = ("config", "ngram_order", "reports")
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int | np.integer) and not isinstance(v, bool)
 
 
 def _check_devices(arr: np.ndarray, name: str, e: int) -> None:
