@@ -12,6 +12,11 @@ def is_integer(value: object) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
+def is_real(value: object) -> bool:
+    """A Python or numpy real number, not a bool."""
+    return isinstance(value, int | float | np.number) and not isinstance(value, bool)
+
+
 def is_finite_number(value: object) -> bool:
     """A finite Python int or float, not a bool (e.g. a metric read from JSON)."""
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

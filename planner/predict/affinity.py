@@ -32,7 +32,7 @@ from typing import cast
 import numpy as np
 from scipy import sparse
 
-from planner._checks import is_integer
+from planner._checks import is_integer, is_real
 from planner.errors import InputError, MismatchError, SchemaError
 from planner.predict.counts import MAX_TOTAL_COUNT, TokenExpertCounts
 from planner.trace.schema import TraceMeta
@@ -102,7 +102,7 @@ class TokenExpertAffinity:
     ) -> TokenExpertAffinity:
         """Learn the tables from ``counts``; ``embeddings`` [V, d] enables the cosine fallback."""
         threshold = self.confident_threshold
-        if isinstance(threshold, bool) or not isinstance(threshold, int | float | np.number):
+        if not is_real(threshold):
             raise InputError(f"confident_threshold={threshold!r} is not a number")
         if not 0.0 < float(threshold) <= 1.0:
             raise InputError(f"confident_threshold={self.confident_threshold!r} must lie in (0, 1]")

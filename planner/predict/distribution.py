@@ -18,6 +18,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from planner._checks import is_real
 from planner.errors import InputError, SchemaError
 
 
@@ -48,11 +49,7 @@ class DistributionPredictor:
         if load.size and load.min() < 0:
             raise InputError("load holds negative counts")
         momentum = self.momentum
-        if momentum is not None and (
-            isinstance(momentum, bool)
-            or not isinstance(momentum, int | float | np.number)
-            or not 0.0 < float(momentum) <= 1.0
-        ):
+        if momentum is not None and (not is_real(momentum) or not 0.0 < float(momentum) <= 1.0):
             raise InputError(f"momentum={self.momentum!r} must lie in (0, 1] or be None")
         if not hasattr(self, "load_"):
             self.load_ = np.zeros(load.shape, np.int64)

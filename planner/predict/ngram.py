@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import sparse
 
-from planner._checks import is_integer
+from planner._checks import is_integer, is_real
 from planner.errors import InputError, MismatchError, SchemaError
 from planner.export.bundle import ngram_row_index
 from planner.predict.counts import SortedKeyCounter
@@ -277,8 +277,7 @@ def fit_ngram_device_table(
     with confidence 0; so do rows whose context was never seen when ``backoff`` is 0.
     """
     e2d = _check_table_args(transitions, expert_to_device, ep_size, order, target)
-    number = isinstance(backoff, int | float | np.number) and not isinstance(backoff, bool)
-    if not (number and math.isfinite(backoff) and backoff >= 0):
+    if not (is_real(backoff) and math.isfinite(backoff) and backoff >= 0):
         raise InputError(f"n-gram backoff {backoff!r} must be a number >= 0")
     big_l = transitions.num_layers
     rows_per_layer = ep_size**order
