@@ -54,6 +54,7 @@ from planner.predict.distribution import (
 )
 from planner.predict.neural import NeuralPredictor
 from planner.predict.ngram import (
+    MAX_TABLE_CELLS,
     NgramDeviceTable,
     NgramEvaluation,
     TopOneTransitions,
@@ -69,9 +70,6 @@ NOT_FROM_COUNTS = (
 )
 # Tokens used to time a predictor's lookups.
 _COST_TOKENS = 4096
-# The n-gram figure's table has E**(n+1) (context, device) cells, each held in a few float64
-# arrays while it is fitted: beyond this many (about 10 GB) it is reported unavailable.
-_MAX_NGRAM_CELLS = 2**28
 
 
 def _r(x) -> float | None:
@@ -387,10 +385,10 @@ def _ngram_unavailable_reason(parts: HeldoutParts, n: int, big_l: int) -> str | 
             f"the model has {big_l} MoE layers, not more than the n-gram order {parts.ngram_order}"
         )
     cells = parts.ep_size ** (parts.ngram_order + 1)
-    if cells > _MAX_NGRAM_CELLS:
+    if cells > MAX_TABLE_CELLS:
         return (
             f"{parts.ep_size} devices at order {parts.ngram_order} make {cells:.3g} (context, "
-            f"device) cells, more than {_MAX_NGRAM_CELLS:.3g}; lower --ep-size or --ngram-order"
+            f"device) cells, more than {MAX_TABLE_CELLS:.3g}; lower --ep-size or --ngram-order"
         )
     return None
 

@@ -58,6 +58,10 @@ MAX_ORDER = 3
 _WIDTH = MAX_ORDER + 1  # experts per tuple: three context layers and the current one
 _RANK = _WIDTH  # column of the routed expert's rank
 TARGETS = ("routed", "top1")
+# Most cells E**(n+1) of one layer's joint counts that a table fit holds (float64, several
+# arrays of it at once; measured peaks of a whole solve: 1.2 GB at 2**24 cells, EP 256 and
+# order 2, 12 GB at 2**28, EP 128 and order 3, which this limit refuses).
+MAX_TABLE_CELLS = 2**26
 # Pseudo-counts of the interpolated backoff of :func:`fit_ngram_device_table` (module doc).
 BACKOFF_COUNTS = 2.0
 
@@ -240,6 +244,23 @@ def _check_ep(num_experts: int, ep_size: int) -> None:
         )
 
 
+def check_table_size(ep_size: int, order: int) -> None:
+    """InputError unless an order-``order`` table at ``ep_size`` devices is small enough to fit
+    (:data:`MAX_TABLE_CELLS`); it would otherwise fail for memory after the solve."""
+    if ep_size ** (order + 1) > MAX_TABLE_CELLS:
+        fits = [n for n in range(1, order) if ep_size ** (n + 1) <= MAX_TABLE_CELLS]
+        hint = (
+            f"use n-gram order {fits[-1]}{' or lower' if fits[-1] > 1 else ''}"
+            if fits
+            else "n-gram tables are not available"
+        )
+        raise InputError(
+            f"an order-{order} n-gram table at EP {ep_size} needs {ep_size}**{order + 1} counts a "
+            f"layer, more than the table fit holds "
+            f"(2**{MAX_TABLE_CELLS.bit_length() - 1}); {hint}"
+        )
+
+
 def _check_placement(
     expert_to_device: np.ndarray, num_layers: int, num_experts: int, ep_size: int
 ) -> np.ndarray:
@@ -364,6 +385,7 @@ def _check_table_args(
     if target not in TARGETS:
         raise InputError(f"n-gram target {target!r} must be one of {', '.join(TARGETS)}")
     _check_ep(transitions.num_experts, ep_size)
+    check_table_size(ep_size, order)
     return _check_placement(
         expert_to_device, transitions.num_layers, transitions.num_experts, ep_size
     )

@@ -55,8 +55,9 @@ from typing import Any
 
 import numpy as np
 
+from planner._checks import is_integer
 from planner.errors import InputError
-from planner.predict.ngram import fit_ngram_device_table
+from planner.predict.ngram import check_table_size, fit_ngram_device_table
 from planner.predict.predictor import Predictor
 from planner.predict.reliability import discounted_share, shrink_confidence
 from planner.solve.metrics import token_table
@@ -119,6 +120,8 @@ class PlanConfig:
         check_method_options(self.options)  # before any layer is solved
         if not 1 <= self.ngram_order <= 3:
             raise InputError(f"ngram_order={self.ngram_order} must be 1, 2 or 3")
+        if is_integer(self.ep_size) and self.ep_size > 0:  # else refused where it is used
+            check_table_size(self.ep_size, self.ngram_order)
         if self.jobs < 1:
             raise InputError(f"jobs={self.jobs} must be at least 1")
         if not (math.isfinite(self.beta) and self.beta >= 1):
