@@ -118,7 +118,9 @@ def test_plan_config_checks_the_options_of_every_method(options: dict, message: 
 def test_an_n_gram_table_too_large_to_fit_is_refused_up_front(ep: int, order: int) -> None:
     """EP 256 at order 3 solved every layer, then asked numpy for 256**4 float64 counts (32
     GiB) and died with a MemoryError traceback; EP 128 at order 3 took 12 GB."""
-    with pytest.raises(InputError, match=rf"order-{order} n-gram table at EP {ep}.*use n-gram order {order - 1}"):
+    with pytest.raises(
+        InputError, match=rf"order-{order} n-gram table at EP {ep}.*use n-gram order {order - 1}"
+    ):
         PlanConfig("vanilla", ep_size=ep, ngram_order=order)
     PlanConfig("vanilla", ep_size=ep, ngram_order=order - 1)  # the order it suggests fits
 
