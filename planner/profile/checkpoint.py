@@ -80,8 +80,9 @@ def inspect_checkpoint(model_dir: str | Path) -> CheckpointInfo:
     """
     path = Path(model_dir)
     if not path.is_dir():
+        what = "is not a directory" if path.exists() else "does not exist"
         raise InputError(
-            f"model directory {str(path)!r} does not exist (pass a local Hugging Face "
+            f"model directory {str(path)!r} {what} (pass a local Hugging Face "
             f"checkpoint directory to --model)"
         )
     config_file = path / "config.json"
@@ -96,6 +97,10 @@ def inspect_checkpoint(model_dir: str | Path) -> CheckpointInfo:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ModelError(f"{path}: cannot read config ({_first_line(e)})") from None
+    except _config_validation_errors() as e:
+        # A config field of the wrong type (e.g. "num_local_experts": "8"); the first line
+        # of the message names the field, the next one the problem.
+        raise ModelError(f"{path}: cannot read config ({_joined_lines(e)})") from None
     layers = check_moe_config(adapter, config, str(path))
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         raise ModelError(
@@ -122,7 +127,9 @@ def load_tokenizer(info: CheckpointInfo) -> Any:
 
     try:
         return AutoTokenizer.from_pretrained(info.path, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except Exception as e:
+        # Any: the Rust tokenizers library reports a damaged tokenizer.json as a bare
+        # Exception, and transformers a malformed tokenizer_config.json as AttributeError.
         raise ModelError(f"{info.path}: cannot load tokenizer ({_first_line(e)})") from None
 
 
@@ -180,7 +187,12 @@ def load_model(info: CheckpointInfo, device: str, dtype: str, progress: bool = T
             f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''} of the "
             f"tensors config.json describes; the weights file is incomplete"
         )
-    return model.to(device).eval()
+    try:
+        return model.to(device).eval()
+    except RuntimeError as e:  # torch.OutOfMemoryError included
+        raise ModelError(
+            f"{info.path}: cannot move the model to {device} ({_first_line(e)})"
+        ) from None
 
 
 def _describe_mismatch(item: Any) -> str:
@@ -189,6 +201,21 @@ def _describe_mismatch(item: Any) -> str:
         name, in_file, in_config = item
         return f"{name} is {list(in_file)} in the weights file but {list(in_config)} by the config"
     return str(item)
+
+
+def _config_validation_errors() -> tuple[type[BaseException], ...]:
+    """huggingface_hub's strict-dataclass validation error, which transformers 5 raises for a
+    config field of the wrong type; it derives from Exception only."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # an older huggingface_hub: configs are not validated
+        return ()
+    return (StrictDataclassError,)
+
+
+def _joined_lines(e: BaseException) -> str:
+    """All of an exception's message on one line (whitespace collapsed)."""
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 def _first_line(e: BaseException) -> str:

@@ -43,7 +43,8 @@ def read_prompts(path: str | Path) -> list[Prompt]:
     """Parse a JSONL or plain-text prompts file; raise :class:`InputError` naming the bad line."""
     path = Path(path)
     if not path.is_file():
-        raise InputError(f"prompts file {str(path)!r} does not exist (pass --prompts FILE)")
+        what = "is not a file" if path.exists() else "does not exist"
+        raise InputError(f"prompts file {str(path)!r} {what} (pass --prompts FILE)")
     lines = _decoded_lines(path)
     first = next((line for _, line in lines if line.strip()), None)
     if first is None:
@@ -78,6 +79,8 @@ def _parse_json_line(path: Path, lineno: int, line: str, index: int) -> Prompt:
         obj = json.loads(line)
     except ValueError as e:
         raise InputError(f"{where}: invalid JSON ({e})") from None
+    except RecursionError:  # json's decoder recurses once per nesting level
+        raise InputError(f"{where}: invalid JSON (nested too deeply)") from None
     if not isinstance(obj, dict):
         raise InputError(
             f'{where}: expected a JSON object like {{"text": ...}}, got {type(obj).__name__}'

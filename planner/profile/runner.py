@@ -22,6 +22,8 @@ a clean one. ``profile.json`` next to the parts records the settings a resume mu
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -59,7 +61,9 @@ EMBEDDINGS_TENSOR = "embeddings"
 SETTINGS_FILE = "profile.json"
 DEVICES = ("cpu", "cuda")
 # Settings that change the recorded trace: a resumed run must use the same. A key missing
-# from an older profile.json is not checked.
+# from an older profile.json is not checked. ``routers_sha256`` (the loaded routers' weights,
+# which tell apart two checkpoints of the same name and shapes) is checked too, once the
+# model is loaded.
 _RESUME_KEYS = (
     "model", "model_type", "max_length", "dtype", "add_special_tokens", "prompts_sha256",
 )  # fmt: skip
@@ -96,10 +100,12 @@ class ProfileConfig:
     def __post_init__(self) -> None:
         for name in ("max_length", "batch_size", "prompts_per_part"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"{name.replace('_', '-')}={value!r} must be a positive integer")
         if self.max_prompts is not None and (
-            not isinstance(self.max_prompts, int) or self.max_prompts < 1
+            isinstance(self.max_prompts, bool)
+            or not isinstance(self.max_prompts, int)
+            or self.max_prompts < 1
         ):
             raise InputError(f"max-prompts={self.max_prompts!r} must be a positive integer")
         if self.device is not None and self.device not in DEVICES:
@@ -253,7 +259,11 @@ class ProfileSession:
             str(self.info.path),
         )
         pad = getattr(self.tokenizer, "pad_token_id", None)
-        self._pad_id = int(pad) if pad is not None else 0
+        # Padded positions are masked and never recorded, but they are still embedded: a pad
+        # token added to the tokenizer after the model (id >= vocab_size) would index past
+        # the embedding matrix. Any id the model has will do.
+        pad_id = int(pad) if pad is not None else 0
+        self._pad_id = pad_id if 0 <= pad_id < self.info.vocab_size else 0
         # Never feed more positions than the model was built for.
         limit = getattr(self.info.config, "max_position_embeddings", None)
         self._max_length = min(self.config.max_length, limit or self.config.max_length)
@@ -303,12 +313,25 @@ class ProfileSession:
         """One forward pass of the decoder (no LM head, no KV cache)."""
         import torch
 
-        with torch.inference_mode():
-            self.model.base_model(
-                input_ids=input_ids.to(self.device),
-                attention_mask=mask.to(self.device),
-                use_cache=False,
+        try:
+            with torch.inference_mode():
+                self.model.base_model(
+                    input_ids=input_ids.to(self.device),
+                    attention_mask=mask.to(self.device),
+                    use_cache=False,
+                )
+        except (RuntimeError, IndexError, ValueError) as e:
+            # A config the model cannot run (e.g. topk_group > n_group), or out of memory.
+            hint = (
+                "; lower --batch-size or --max-length"
+                if isinstance(e, torch.OutOfMemoryError)
+                else ""
             )
+            text = str(e).strip()
+            first = text.splitlines()[0] if text else type(e).__name__
+            raise ModelError(
+                f"{self.info.path}: the model's forward pass failed ({first}){hint}"
+            ) from None
 
     def run_plain(self, prompts: list[Prompt]) -> int:
         """Forward passes without hooks (the baseline a benchmark compares to); returns tokens."""
@@ -328,6 +351,8 @@ class ProfileSession:
                 self.forward(input_ids, mask)
                 ids, weights = recorder.take(input_ids.numel())
                 keep = mask.reshape(-1).bool().to(ids.device)
+                ids, weights = ids[keep], weights[keep]
+                self._check_finite(weights)
                 lengths = [len(s) for s in seqs]
                 extras = {}
                 if self.with_domain:
@@ -339,8 +364,8 @@ class ProfileSession:
                         request_id=np.repeat([p.index for p in batch_prompts], lengths),
                         position=np.concatenate([np.arange(n) for n in lengths]),
                         token_id=np.concatenate([np.asarray(s) for s in seqs]),
-                        experts=ids[keep].cpu().numpy(),
-                        weights=weights[keep].cpu().numpy(),
+                        experts=ids.cpu().numpy(),
+                        weights=weights.cpu().numpy(),
                         extras=extras,
                     )
                 )
@@ -348,6 +373,33 @@ class ProfileSession:
             return None
         batch = TraceBatch.concat(pieces)
         return batch.select(np.lexsort((batch.position, batch.request_id)))
+
+    def _check_finite(self, weights: Any) -> None:
+        """Refuse gate weights [T, L, k] that are NaN or infinite (a trace would keep them)."""
+        import torch
+
+        bad = ~torch.isfinite(weights)
+        if bool(bad.any()):
+            layer = int(bad.any(dim=-1).any(dim=0).nonzero()[0])
+            raise ModelError(
+                f"{self.info.path}: the router of model layer {self.info.moe_layer_indices[layer]} "
+                f"applied non-finite gate weights (NaN or inf) to {int(bad.any(-1).any(-1).sum())} "
+                f"tokens; the checkpoint's weights hold NaN/inf, or the model overflows in its "
+                f"dtype (try --dtype float32)"
+            )
+
+    def routers_sha256(self) -> str:
+        """sha256 of every router's parameters and buffers as loaded: tells one checkpoint's
+        routing from another's of the same name and shapes."""
+        import torch
+
+        h = hashlib.sha256()
+        for router in self.routers:
+            for name, tensor in sorted(router.state_dict().items()):
+                h.update(name.encode())
+                data = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous()
+                h.update(data.numpy().tobytes())
+        return h.hexdigest()
 
 
 def profile_model(
@@ -362,8 +414,8 @@ def profile_model(
     Raises:
         InputError: missing model directory or prompts file, no prompts, a bad prompts line,
             a non-empty ``out_dir`` without ``resume``, a resume into a directory that is not
-            a profile run, a resume with other settings or another prompts file (compared by
-            sha256), or cuda requested without CUDA.
+            a profile run, a resume with other settings, another prompts file (compared by
+            sha256) or another checkpoint's routers, or cuda requested without CUDA.
         ModelError: not an MoE model, unsupported architecture, no tokenizer, damaged weights
             or weights that do not match the config, or a model that does not route as its
             architecture's adapter expects.
@@ -387,19 +439,25 @@ def profile_model(
         "prompts": str(Path(prompts_path).resolve()),
         "prompts_sha256": sha256_file(prompts_path),
     }
-    done = _prepare_out_dir(out, config.resume, settings)
+    done, before = _prepare_out_dir(out, config.resume, settings)
     todo = [p for p in prompts if p.index not in done]
 
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(info)
     model = load_model(info, device, dtype, progress)
     meta = trace_meta(info, dtype)
+    session = ProfileSession(info, model, tokenizer, config, device, with_domain=with_domain)
+    settings["routers_sha256"] = session.routers_sha256()
+    if before.get("routers_sha256", settings["routers_sha256"]) != settings["routers_sha256"]:
+        raise InputError(
+            f"{out}: cannot resume with another checkpoint: the routers of {str(model_dir)!r} "
+            f"differ from those of the run that started it (both named {info.name!r})"
+        )
     writer = TraceWriter(out, meta)
     write_json_atomic(out / SETTINGS_FILE, settings)
     embeddings_path = None
     if config.save_embeddings:
         embeddings_path = save_embeddings(model, out / EMBEDDINGS_FILE, dtype, meta)
-    session = ProfileSession(info, model, tokenizer, config, device, with_domain=with_domain)
     load_seconds = time.perf_counter() - t0
 
     acc = LoadAccumulator(meta)
@@ -437,16 +495,30 @@ def profile_model(
     )
 
 
-def _prepare_out_dir(out: Path, resume: bool, settings: dict[str, Any]) -> set[int]:
-    """Check ``out`` may receive this run; return the request ids its finished parts hold.
+def _prepare_out_dir(
+    out: Path, resume: bool, settings: dict[str, Any]
+) -> tuple[set[int], dict[str, Any]]:
+    """Check ``out`` may receive this run; return the request ids its finished parts hold
+    and the settings of the run that started it (empty for a fresh run).
 
     A resume continues only a directory an earlier ``profile`` run started (it holds that
     run's ``profile.json``) with the same settings and the same prompts file.
     """
+    # Refused before any work: the directory could not be made once the model is loaded.
+    for parent in out.absolute().parents:
+        if parent.exists() and not parent.is_dir():
+            raise InputError(
+                f"output {str(out)!r}: {parent} is a file, not a directory; choose another --out"
+            )
+    if out.is_symlink() and not out.exists():
+        raise InputError(
+            f"output {str(out)!r} is a symbolic link to {os.readlink(out)!r}, which does not "
+            f"exist; choose another --out"
+        )
     if out.exists() and not out.is_dir():
         raise InputError(f"output {str(out)!r} exists and is not a directory")
     if not out.exists() or not any(out.iterdir()):
-        return set()
+        return set(), {}
     if not resume:
         raise InputError(
             f"output directory {str(out)!r} is not empty; pass --resume to continue that run "
@@ -466,8 +538,8 @@ def _prepare_out_dir(out: Path, resume: bool, settings: dict[str, Any]) -> set[i
             f"{out}: cannot resume with other settings than the run that started it ({diffs})"
         )
     if not any(out.glob(PART_GLOB)):
-        return set()
-    return {int(r) for r in open_trace(out).request_ids()}
+        return set(), before
+    return {int(r) for r in open_trace(out).request_ids()}, before
 
 
 def _read_settings(out: Path) -> dict[str, Any]:

@@ -1,0 +1,222 @@
+"""Edge cases of ``moeplan profile``: malformed inputs are one line, never a traceback, and
+nothing silently wrong reaches a trace."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from planner.cli.main import main
+from planner.errors import InputError, ModelError
+from planner.profile import ProfileConfig, profile_model, read_prompts
+from planner.trace.io import open_trace
+from tests.profile.tiny_models import (
+    ARCH_CONFIGS,
+    build_model,
+    sample_texts,
+    save_tokenizer,
+    write_prompts,
+)
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    return write_prompts(tmp_path / "prompts.jsonl", sample_texts(5, seed=3))
+
+
+def _error_line(capsys, args) -> str:
+    """The one error line of a failed command (after a progress bar, if one was drawn)."""
+    code = main(args)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("moeplan: error: "), err
+    return line
+
+
+def _copy_with_config(src, dest, **changes):
+    shutil.copytree(src, dest)
+    config = json.loads((dest / "config.json").read_text())
+    config.update(changes)
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
+
+
+def _copy_with_router_weights(src, dest, edit):
+    """A copy of a checkpoint whose layer-1 router weight is ``edit(weight)``."""
+    shutil.copytree(src, dest)
+    tensors = load_file(dest / "model.safetensors")
+    (key,) = [k for k in tensors if k.startswith("model.layers.1.") and k.endswith("gate.weight")]
+    tensors[key] = edit(tensors[key].clone())
+    save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
+
+
+# ---------------------------------------------------------------------------------------
+# Prompts and paths
+
+
+def test_deeply_nested_json_line_is_one_error(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"text": "ok"}\n{"text": "a", "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    with pytest.raises(InputError, match=r"p\.jsonl:2: invalid JSON \(nested too deeply\)"):
+        read_prompts(path)
+
+
+def test_directories_and_files_in_the_wrong_place_are_named(model_dirs, prompts, tmp_path, capsys):
+    line = _error_line(capsys, ["profile", "--model", str(model_dirs["olmoe"]), "--prompts",
+                                str(tmp_path), "--out", str(tmp_path / "t")])  # fmt: skip
+    assert "is not a file" in line
+    line = _error_line(capsys, ["profile", "--model", str(prompts), "--prompts", str(prompts),
+                                "--out", str(tmp_path / "t")])  # fmt: skip
+    assert "is not a directory" in line
+
+
+def test_out_under_a_file_is_refused_before_loading(model_dirs, prompts, tmp_path, capsys):
+    line = _error_line(capsys, ["profile", "--model", str(model_dirs["olmoe"]), "--prompts",
+                                str(prompts), "--out", str(prompts / "trace")])  # fmt: skip
+    assert "is a file, not a directory" in line
+    assert prompts.is_file()
+
+
+def test_out_that_is_a_dangling_symlink_is_refused(model_dirs, prompts, tmp_path, capsys):
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "gone")
+    line = _error_line(capsys, ["profile", "--model", str(model_dirs["olmoe"]), "--prompts",
+                                str(prompts), "--out", str(link)])  # fmt: skip
+    assert "symbolic link" in line and "does not exist" in line
+    assert link.is_symlink() and not (tmp_path / "gone").exists()
+
+
+@pytest.mark.parametrize("name", ["batch_size", "max_length", "prompts_per_part", "max_prompts"])
+def test_bool_is_not_a_count(name):
+    with pytest.raises(InputError, match="must be a positive integer"):
+        ProfileConfig(**{name: True})
+
+
+# ---------------------------------------------------------------------------------------
+# Damaged checkpoints
+
+
+@pytest.mark.parametrize("case", ["tokenizer_json", "tokenizer_config_list"])
+def test_damaged_tokenizer_is_one_line(case, model_dirs, prompts, tmp_path, capsys):
+    model = tmp_path / "m"
+    shutil.copytree(model_dirs["mixtral"], model)
+    if case == "tokenizer_json":  # valid JSON the Rust tokenizers library cannot read
+        tok = json.loads((model / "tokenizer.json").read_text())
+        tok["model"]["type"] = "NoSuchModel"
+        (model / "tokenizer.json").write_text(json.dumps(tok))
+    else:
+        (model / "tokenizer_config.json").write_text("[1]")
+    out = tmp_path / "t"
+    line = _error_line(capsys, ["profile", "--model", str(model), "--prompts", str(prompts),
+                                "--out", str(out)])  # fmt: skip
+    assert f"{model}: cannot load tokenizer (" in line
+    assert not out.exists()
+
+
+def test_config_field_of_the_wrong_type_is_one_line(model_dirs, prompts, tmp_path, capsys):
+    model = _copy_with_config(model_dirs["mixtral"], tmp_path / "m", num_local_experts="8")
+    line = _error_line(capsys, ["profile", "--model", str(model), "--prompts", str(prompts),
+                                "--out", str(tmp_path / "t")])  # fmt: skip
+    assert "cannot read config" in line and "num_local_experts" in line and "expected int" in line
+
+
+def test_config_the_model_cannot_run_is_one_line(model_dirs, prompts, tmp_path, capsys):
+    # topk_group > n_group: the checkpoint loads, its router fails in the forward pass.
+    model = _copy_with_config(model_dirs["deepseek_v3"], tmp_path / "m", topk_group=9)
+    out = tmp_path / "t"
+    line = _error_line(capsys, ["profile", "--model", str(model), "--prompts", str(prompts),
+                                "--out", str(out), "--max-prompts", "1"])  # fmt: skip
+    assert f"{model}: the model's forward pass failed (" in line
+    assert not list(out.glob("part-*"))
+
+
+def test_nan_router_weights_are_refused_not_recorded(model_dirs, prompts, tmp_path):
+    def poison(weight):
+        weight[0, 0] = float("nan")
+        return weight
+
+    model = _copy_with_router_weights(model_dirs["mixtral"], tmp_path / "m", poison)
+    out = tmp_path / "t"
+    with pytest.raises(ModelError, match="router of model layer 1 applied non-finite gate weights"):
+        profile_model(model, prompts, out, ProfileConfig(), progress=False)
+    assert not list(out.glob("part-*"))
+
+
+# ---------------------------------------------------------------------------------------
+# Padding
+
+
+@pytest.fixture(scope="module")
+def added_pad_model_dir(tmp_path_factory):
+    """A checkpoint whose tokenizer's pad token was added after the model: id == vocab_size."""
+    from transformers import AutoTokenizer
+
+    dest = tmp_path_factory.mktemp("pad") / "tiny-added-pad"
+    build_model("mixtral", ARCH_CONFIGS["mixtral"] | dict(vocab_size=66, pad_token_id=None)
+                ).save_pretrained(dest)  # fmt: skip
+    save_tokenizer(dest)
+    tok = AutoTokenizer.from_pretrained(dest)
+    tok.pad_token = None
+    tok.add_special_tokens({"pad_token": "<pad>"})
+    assert tok.pad_token_id == 66
+    tok.save_pretrained(dest)
+    return dest
+
+
+def test_pad_token_outside_the_vocabulary_is_not_fed_to_the_model(added_pad_model_dir, prompts,
+                                                                   tmp_path):  # fmt: skip
+    batched, alone = tmp_path / "batched", tmp_path / "alone"
+    profile_model(added_pad_model_dir, prompts, batched, ProfileConfig(batch_size=5),
+                  progress=False)  # fmt: skip
+    profile_model(added_pad_model_dir, prompts, alone, ProfileConfig(batch_size=1),
+                  progress=False)  # fmt: skip
+    got, want = open_trace(batched).read_all(), open_trace(alone).read_all()
+    assert len(got) == len(want) > 0
+    np.testing.assert_array_equal(got.token_id, want.token_id)
+    np.testing.assert_array_equal(got.experts, want.experts)
+
+
+# ---------------------------------------------------------------------------------------
+# Resume
+
+
+def test_resume_with_another_checkpoint_of_the_same_name_is_refused(model_dirs, prompts,
+                                                                    tmp_path):  # fmt: skip
+    first = tmp_path / "a" / "model"
+    shutil.copytree(model_dirs["mixtral"], first)
+    other = _copy_with_router_weights(model_dirs["mixtral"], tmp_path / "b" / "model",
+                                      lambda w: torch.flip(w, dims=[0]))  # fmt: skip
+    moved = tmp_path / "c" / "model"
+    shutil.copytree(first, moved)
+    out = tmp_path / "t"
+    profile_model(first, prompts, out, ProfileConfig(max_prompts=2), progress=False)
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(InputError, match="cannot resume with another checkpoint"):
+        profile_model(other, prompts, out, ProfileConfig(resume=True), progress=False)
+    assert sorted(p.name for p in out.iterdir()) == before
+    # The same checkpoint at another path resumes.
+    result = profile_model(moved, prompts, out, ProfileConfig(resume=True), progress=False)
+    assert result.prompts_resumed == 2 and result.prompts_profiled == 3
+    assert open_trace(out).request_ids().tolist() == [0, 1, 2, 3, 4]
+
+
+def test_model_that_does_not_fit_the_device_is_one_line(model_dirs, prompts, tmp_path,
+                                                        monkeypatch):  # fmt: skip
+    from planner.profile.checkpoint import inspect_checkpoint, load_model
+
+    info = inspect_checkpoint(model_dirs["olmoe"])
+
+    def out_of_memory(self, *args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(torch.nn.Module, "to", out_of_memory)
+    with pytest.raises(ModelError, match="cannot move the model to cpu \\(CUDA out of memory"):
+        load_model(info, "cpu", "float32", progress=False)
