@@ -81,9 +81,7 @@ def check_output(
             raise InputError(
                 f"{path}: the command reads its input {given} there; choose another output path"
             )
-    for parent in path.absolute().parents:  # its directory could not be made
-        if parent.exists() and not parent.is_dir():
-            raise InputError(f"{path}: {parent} is a file, not a directory; choose another path")
+    check_parents(path)
     if marker is None:
         if path.is_dir():
             raise InputError(f"{path}: is a directory; a {what} is a file")
@@ -100,6 +98,13 @@ def check_output(
             f"{path}: is a non-empty directory that is not a {what}; choose another output path"
         )
     return path
+
+
+def check_parents(path: str | os.PathLike) -> None:
+    """InputError if a directory above ``path`` is a file: ``path`` could not be made."""
+    for parent in Path(path).absolute().parents:
+        if parent.exists() and not parent.is_dir():
+            raise InputError(f"{path}: {parent} is a file, not a directory; choose another path")
 
 
 def write_bytes_atomic(dest: str | os.PathLike, data: bytes) -> None:

@@ -42,7 +42,13 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from planner._io import atomic_path, read_json_object, sha256_file, write_json_atomic
+from planner._io import (
+    atomic_path,
+    check_parents,
+    read_json_object,
+    sha256_file,
+    write_json_atomic,
+)
 from planner.errors import InputError, ModelError
 from planner.profile.checkpoint import (
     DTYPES,
@@ -505,11 +511,7 @@ def _prepare_out_dir(
     run's ``profile.json``) with the same settings and the same prompts file.
     """
     # Refused before any work: the directory could not be made once the model is loaded.
-    for parent in out.absolute().parents:
-        if parent.exists() and not parent.is_dir():
-            raise InputError(
-                f"output {str(out)!r}: {parent} is a file, not a directory; choose another --out"
-            )
+    check_parents(out)
     if out.is_symlink() and not out.exists():
         raise InputError(
             f"output {str(out)!r} is a symbolic link to {os.readlink(out)!r}, which does not "
