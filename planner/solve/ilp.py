@@ -41,7 +41,13 @@ reach its time limit with no placement at all (the example model at EP 4 with th
 ``max_variables``: "found no placement within 10 s"); with it the program's answer is at
 least that start's. HiGHS checks its time limit only between phases, so it may run past it
 (with its presolve on, a 64-expert EP 32 layer took 76 s under a 10 s limit, in the root's
-cut loop; below); ``info["seconds_over_limit"]`` reports any overrun beyond a second.
+cut loop; below; without it, the example's layer 0 at EP 4 and the default 50k variables took
+431 s under a 60 s limit, and an interrupt requested at 61 s was not seen either). So HiGHS
+runs in a child process (:mod:`planner.solve.highs_child`) that is killed at the time limit
+plus :func:`_grace`; the child saves every improving solution as it finds it, and a killed
+solve returns the last one (or the start), with ``info["stopped_at_deadline"]``. That case
+now ends after 73 s with the same placement. ``info["seconds_over_limit"]`` reports any
+overrun beyond a second.
 
 Presolve: HiGHS runs without its presolve (``presolve``, off by default). On the 32 small
 instances of ``benchmarks/solve_quality.py --sections ilp`` both settings prove the same
@@ -58,6 +64,11 @@ layer of a model solve writes its own file, the layer's index before the suffix
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -67,6 +78,7 @@ import pulp
 
 from planner._io import atomic_path
 from planner.errors import InfeasibleError, InputError
+from planner.solve import highs_child
 from planner.solve.common import assign_for_problem, check_options, device_gains, finish
 from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig
 
@@ -82,6 +94,8 @@ DEFAULTS: dict[str, object] = {
 }
 KINDS = {"max_variables": "count+", "lp_path": "text?"}  # see common.check_options
 DEFAULT_TIME_LIMIT = 60.0
+# The script HiGHS runs in (a child process killed at the deadline, _HighsWithStart).
+_CHILD = highs_child.__file__
 
 
 def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
@@ -148,7 +162,7 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
         "tokens_in_program": int(keep.size),
         "tokens": int(problem.num_tokens),
         "program_objective": float(pulp.value(prog.objective) or 0.0),
-        "bound": _bound(prog),
+        "bound": _bound(prog, solver),
         "symmetry_breaking": bool(opts["symmetry_breaking"]),
         "time_limit": time_limit,
         "token_cap": capacity,
@@ -156,6 +170,8 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     }
     if over > 1.0:
         info["seconds_over_limit"] = round(over, 1)
+    if getattr(solver, "stopped", False):
+        info["stopped_at_deadline"] = True
     if not exact:
         info["note"] = (
             f"program on the {keep.size} most frequent of {problem.num_tokens} tokens; "
@@ -268,19 +284,75 @@ def _tokens_in_budget(problem: LayerProblem, max_variables: int) -> np.ndarray:
 
 
 class _HighsWithStart(pulp.HiGHS):
-    """``pulp.HiGHS`` that hands HiGHS the variables' initial values as its MIP start.
+    """``pulp.HiGHS`` that hands HiGHS the variables' initial values as its MIP start and
+    runs it in a child process killed at the deadline (:mod:`planner.solve.highs_child`).
 
-    (PuLP passes a start to CBC with ``warmStart=True``, but not to HiGHS.)
+    (PuLP passes a start to CBC with ``warmStart=True``, but not to HiGHS.) The deadline is
+    the time limit plus :func:`_grace`; a killed solve keeps the last improving solution the
+    child saved (``stopped_at_deadline`` in the ILP's info), or none.
     """
 
+    result: dict | None = None
+    stopped: bool = False
+
     def callSolver(self, lp):
-        values = [var.varValue for var in lp.variables()]  # var.index order
-        if values and all(v is not None for v in values):
-            solution = highspy.HighsSolution()
-            solution.col_value = [float(v) for v in values]
-            solution.value_valid = True
-            lp.solverModel.setSolution(solution)
-        lp.solverModel.run()
+        self.result, self.stopped = None, False
+        options = {
+            "output_flag": bool(self.msg), "time_limit": float(self.timeLimit),
+            "mip_rel_gap": float(self.gapRel), "threads": int(self.threads),
+            **self.optionsDict,
+        }  # fmt: skip
+        with tempfile.TemporaryDirectory(prefix="moeplan-highs-") as tmp:
+            model, start = os.path.join(tmp, "program.mps"), ""
+            lp.solverModel.writeModel(model)
+            values = [var.varValue for var in lp.variables()]  # var.index order
+            if values and all(v is not None for v in values):
+                start = os.path.join(tmp, "start.npy")
+                np.save(start, np.asarray(values, dtype=np.float64))
+            child = subprocess.Popen(
+                [sys.executable, _CHILD, model, json.dumps(options), start, tmp]
+            )
+            try:
+                child.wait(timeout=float(self.timeLimit) + _grace(float(self.timeLimit)))
+            except subprocess.TimeoutExpired:
+                self.stopped = True
+            finally:
+                if child.poll() is None:
+                    child.kill()
+                    child.wait()
+            for name in (highs_child.RESULT, highs_child.INCUMBENT):
+                path = os.path.join(tmp, name)
+                if os.path.exists(path):
+                    with np.load(path) as saved:
+                        self.result = {key: saved[key] for key in saved.files}
+                    break
+            if self.result is None and self.stopped and start:  # stopped before any incumbent
+                self.result = {"x": np.load(start), "objective": np.float64(0.0)}
+        if self.result is None and not self.stopped and child.returncode != 0:
+            raise InfeasibleError(f"ilp: the HiGHS process failed (exit {child.returncode})")
+
+    def findSolutionValues(self, lp):
+        r = self.result
+        status = highspy.HighsModelStatus(int(r["status"])) if r and "status" in r else None
+        if status in (
+            highspy.HighsModelStatus.kInfeasible,
+            highspy.HighsModelStatus.kUnboundedOrInfeasible,
+        ):
+            return pulp.LpStatusInfeasible, pulp.LpSolutionInfeasible
+        if r is None or not bool(r.get("valid", True)) or not np.isfinite(float(r["objective"])):
+            return pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound
+        for var in lp.variables():
+            var.varValue = float(r["x"][var.index])
+        if status == highspy.HighsModelStatus.kOptimal:
+            return pulp.LpStatusOptimal, pulp.LpSolutionOptimal
+        # time limit, interrupt, or the incumbent of a stopped solve: a feasible point
+        return pulp.LpStatusOptimal, pulp.LpSolutionIntegerFeasible
+
+
+def _grace(time_limit: float) -> float:
+    """Seconds past the time limit before the HiGHS process is killed: HiGHS stops by itself
+    within about 2 s of the limit on most programs (module doc)."""
+    return 5.0 + 0.1 * time_limit
 
 
 def _make_solver(name: str, time_limit: float, gap_rel: float, msg: bool, *, presolve: bool):
@@ -316,15 +388,15 @@ def _status(prog: pulp.LpProblem) -> str:
     return "no solution"
 
 
-def _bound(prog: pulp.LpProblem) -> float | None:
+def _bound(prog: pulp.LpProblem, solver) -> float | None:
     """Best proven upper bound (HiGHS only; None elsewhere)."""
-    model = getattr(prog, "solverModel", None)
-    if model is None or not hasattr(model, "getInfo"):
+    result = getattr(solver, "result", None)
+    if not result or "bound" not in result:
         return None
-    bound = getattr(model.getInfo(), "mip_dual_bound", None)
-    if bound is None or not np.isfinite(bound):
+    bound = float(result["bound"])
+    if not np.isfinite(bound):
         return None
-    return float(-bound) if prog.sense == pulp.LpMaximize else float(bound)
+    return float(-bound) if prog.sense == pulp.LpMaximize else bound
 
 
 def _argmax_var(variables: dict[int, pulp.LpVariable]) -> int:

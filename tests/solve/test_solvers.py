@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import time
 
 import numpy as np
 import pytest
@@ -281,3 +282,23 @@ def test_ilp_starts_from_a_feasible_placement_and_never_ends_below_it() -> None:
         problem, "ilp", SolverConfig(time_limit=5.0, options={"ilp": {"start": False}})
     )
     assert not cold.info["start"]
+
+
+def test_ilp_is_stopped_at_its_deadline_and_keeps_its_start(tmp_path, monkeypatch) -> None:
+    """HiGHS checks its time limit only between phases: the example's layer 0 at EP 4 ran 431
+    s under a 60 s limit (root cut separation). HiGHS now runs in a child process killed at
+    the deadline; a stand-in that never returns shows the ILP still answers, with its start."""
+    from planner.solve import ilp
+
+    hang = tmp_path / "hang.py"
+    hang.write_text("import time\ntime.sleep(600)\n")
+    monkeypatch.setattr(ilp, "_CHILD", str(hang))
+    monkeypatch.setattr(ilp, "_grace", lambda limit: 0.5)
+    problem = random_problem(300, 16, 4, top_k=2, seed=3)
+    x, t = ilp._start(problem)
+    started = time.perf_counter()
+    p = solve_layer(problem, "ilp", SolverConfig(time_limit=1.0))
+    assert time.perf_counter() - started < 30
+    assert p.info["stopped_at_deadline"] and p.info["status"] == "feasible (time limit)"
+    assert p.objective >= objective(problem, device_gains(problem, x), t) - 1e-6
+    assert np.bincount(p.expert_to_device, minlength=4).tolist() == [4] * 4

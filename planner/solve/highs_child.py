@@ -1,0 +1,73 @@
+"""HiGHS on a model file, in a process of its own (:mod:`planner.solve.ilp`'s hard time limit).
+
+HiGHS checks its time limit and its interrupt callbacks only between phases: in the root's
+cut separation it can run minutes past the limit (the example's layer 0 at EP 4: 431 s under
+a 60 s limit, with an interrupt requested at 61 s). So the ILP runs this script as a child
+process that its parent can kill at the deadline; each improving solution is saved as it
+is found, so a killed solve still returns the best placement found.
+
+    python highs_child.py MODEL.mps OPTIONS_JSON START.npy|"" OUT_DIR
+
+Writes ``OUT_DIR/incumbent.npz`` at every improving solution and ``OUT_DIR/result.npz``
+when HiGHS returns (``x`` column values, ``status`` the model status as an int, ``objective``,
+``bound`` the MIP dual bound, ``valid`` whether ``x`` holds a solution). Imports only numpy
+and highspy (it runs as a script, not through the package), so it starts in a fraction of a
+second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import highspy
+import numpy as np
+
+INCUMBENT = "incumbent.npz"
+RESULT = "result.npz"
+
+
+def _save(path: str, **arrays) -> None:
+    """np.savez to ``path`` atomically: a reader never sees half a file."""
+    tmp = path + ".part.npz"
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+
+
+def main(model: str, options: str, start: str, out_dir: str) -> int:
+    h = highspy.Highs()
+    settings = json.loads(options)
+    h.setOptionValue("output_flag", bool(settings.pop("output_flag", False)))
+    if h.readModel(model) != highspy.HighsStatus.kOk:
+        return 3
+    for key, value in settings.items():  # after the read: a time limit would also bound it
+        h.setOptionValue(key, value)
+    if start:
+        solution = highspy.HighsSolution()
+        solution.col_value = np.load(start).tolist()
+        solution.value_valid = True
+        h.setSolution(solution)
+    incumbent = os.path.join(out_dir, INCUMBENT)
+
+    def improved(event) -> None:
+        out = event.data_out
+        _save(incumbent, x=np.asarray(out.mip_solution, dtype=np.float64),
+              objective=float(out.objective_function_value), bound=float(out.mip_dual_bound))  # fmt: skip
+
+    h.cbMipImprovingSolution += improved
+    h.run()
+    solution = h.getSolution()
+    _save(
+        os.path.join(out_dir, RESULT),
+        x=np.asarray(solution.col_value, dtype=np.float64),
+        status=int(h.getModelStatus()),
+        objective=float(h.getObjectiveValue()),
+        bound=float(h.getInfo().mip_dual_bound),
+        valid=bool(solution.value_valid),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:5]))
