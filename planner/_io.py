@@ -101,10 +101,16 @@ def check_output(
 
 
 def check_parents(path: str | os.PathLike) -> None:
-    """InputError if a directory above ``path`` is a file: ``path`` could not be made."""
+    """InputError if a directory above ``path`` is a file or a symbolic link to nothing:
+    ``path`` could not be made."""
     for parent in Path(path).absolute().parents:
         if parent.exists() and not parent.is_dir():
             raise InputError(f"{path}: {parent} is a file, not a directory; choose another path")
+        if parent.is_symlink() and not parent.exists():
+            raise InputError(
+                f"{path}: {parent} is a symbolic link to {os.readlink(parent)!r}, which does not "
+                f"exist; choose another path"
+            )
 
 
 def write_bytes_atomic(dest: str | os.PathLike, data: bytes) -> None:

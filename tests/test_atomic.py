@@ -81,3 +81,17 @@ def test_replacing_a_directory_leaves_other_files_beside_it(tmp_path):
     assert (tmp_path / "out" / "a").read_text() == "new"
     assert (mine / "notes.txt").read_text() == "keep"
     assert sorted(p.name for p in tmp_path.iterdir()) == [".out.old", "out"]
+
+
+def test_an_output_under_a_dangling_link_is_refused_before_the_work(tmp_path, capsys):
+    """solve --out DIR/gone/plan, with gone a link to nothing, solved every layer and then
+    failed with a FileExistsError traceback when the plan was saved."""
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    for marker in (None, "plan.json"):
+        with pytest.raises(InputError, match="gone is a symbolic link to .*which does not exist"):
+            check_output(tmp_path / "gone" / "plan", marker=marker, what="plan")
+    args = ["trace", "synth", "--out", str(tmp_path / "gone" / "t"), "--tokens", "100"]
+    assert main([*args, "--requests", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "which does not exist" in err[0], err
+    assert not (tmp_path / "nowhere").exists()
