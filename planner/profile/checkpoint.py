@@ -96,7 +96,7 @@ def inspect_checkpoint(model_dir: str | Path) -> CheckpointInfo:
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ModelError(f"{path}: cannot read config ({_first_line(e)})") from None
+        raise ModelError(f"{path}: cannot read config ({first_line(e)})") from None
     except _config_validation_errors() as e:
         # A config field of the wrong type (e.g. "num_local_experts": "8"); the first line
         # of the message names the field, the next one the problem.
@@ -130,7 +130,7 @@ def load_tokenizer(info: CheckpointInfo) -> Any:
     except Exception as e:
         # Any: the Rust tokenizers library reports a damaged tokenizer.json as a bare
         # Exception, and transformers a malformed tokenizer_config.json as AttributeError.
-        raise ModelError(f"{info.path}: cannot load tokenizer ({_first_line(e)})") from None
+        raise ModelError(f"{info.path}: cannot load tokenizer ({first_line(e)})") from None
 
 
 def load_model(info: CheckpointInfo, device: str, dtype: str, progress: bool = True) -> Any:
@@ -163,11 +163,11 @@ def load_model(info: CheckpointInfo, device: str, dtype: str, progress: bool = T
     except SafetensorError as e:
         raise ModelError(
             f"{info.path}: cannot load model weights: a .safetensors file is truncated or "
-            f"damaged ({_first_line(e)})"
+            f"damaged ({first_line(e)})"
         ) from None
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
         # RuntimeError: the state-dict errors of transformers.
-        raise ModelError(f"{info.path}: cannot load model weights ({_first_line(e)})") from None
+        raise ModelError(f"{info.path}: cannot load model weights ({first_line(e)})") from None
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars_were_on:
@@ -191,7 +191,7 @@ def load_model(info: CheckpointInfo, device: str, dtype: str, progress: bool = T
         return model.to(device).eval()
     except RuntimeError as e:  # torch.OutOfMemoryError included
         raise ModelError(
-            f"{info.path}: cannot move the model to {device} ({_first_line(e)})"
+            f"{info.path}: cannot move the model to {device} ({first_line(e)})"
         ) from None
 
 
@@ -218,6 +218,7 @@ def _joined_lines(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """An exception's message, first line only (its type's name when the message is empty)."""
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__

@@ -53,6 +53,7 @@ from planner.errors import InputError, ModelError
 from planner.profile.checkpoint import (
     DTYPES,
     CheckpointInfo,
+    first_line,
     inspect_checkpoint,
     load_model,
     load_tokenizer,
@@ -333,10 +334,8 @@ class ProfileSession:
                 if isinstance(e, torch.OutOfMemoryError)
                 else ""
             )
-            text = str(e).strip()
-            first = text.splitlines()[0] if text else type(e).__name__
             raise ModelError(
-                f"{self.info.path}: the model's forward pass failed ({first}){hint}"
+                f"{self.info.path}: the model's forward pass failed ({first_line(e)}){hint}"
             ) from None
 
     def run_plain(self, prompts: list[Prompt]) -> int:
