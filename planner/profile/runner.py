@@ -22,6 +22,7 @@ a clean one. ``profile.json`` next to the parts records the settings a resume mu
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import time
@@ -444,60 +445,99 @@ def profile_model(
         "prompts": str(Path(prompts_path).resolve()),
         "prompts_sha256": sha256_file(prompts_path),
     }
-    done, before = _prepare_out_dir(out, config.resume, settings)
-    todo = [p for p in prompts if p.index not in done]
+    with _claim_out_dir(out):
+        done, before = _prepare_out_dir(out, config.resume, settings)
+        todo = [p for p in prompts if p.index not in done]
 
-    t0 = time.perf_counter()
-    tokenizer = load_tokenizer(info)
-    model = load_model(info, device, dtype, progress)
-    meta = trace_meta(info, dtype)
-    session = ProfileSession(info, model, tokenizer, config, device, with_domain=with_domain)
-    settings["routers_sha256"] = session.routers_sha256()
-    if before.get("routers_sha256", settings["routers_sha256"]) != settings["routers_sha256"]:
-        raise InputError(
-            f"{out}: cannot resume with another checkpoint: the routers of {str(model_dir)!r} "
-            f"differ from those of the run that started it (both named {info.name!r})"
+        t0 = time.perf_counter()
+        tokenizer = load_tokenizer(info)
+        model = load_model(info, device, dtype, progress)
+        meta = trace_meta(info, dtype)
+        session = ProfileSession(info, model, tokenizer, config, device, with_domain=with_domain)
+        settings["routers_sha256"] = session.routers_sha256()
+        if before.get("routers_sha256", settings["routers_sha256"]) != settings["routers_sha256"]:
+            raise InputError(
+                f"{out}: cannot resume with another checkpoint: the routers of {str(model_dir)!r} "
+                f"differ from those of the run that started it (both named {info.name!r})"
+            )
+        writer = TraceWriter(out, meta)
+        write_json_atomic(out / SETTINGS_FILE, settings)
+        embeddings_path = None
+        if config.save_embeddings:
+            embeddings_path = save_embeddings(model, out / EMBEDDINGS_FILE, dtype, meta)
+        load_seconds = time.perf_counter() - t0
+
+        acc = LoadAccumulator(meta)
+        if done:
+            for done_batch in open_trace(out).iter_batches():
+                acc.add(done_batch)
+        t0 = time.perf_counter()
+        tokens, parts = 0, 0
+        with _progress_bar(progress, len(todo)) as (bar, task):
+            for start in range(0, len(todo), config.prompts_per_part):
+                chunk = todo[start : start + config.prompts_per_part]
+                batch = session.profile(chunk)
+                if batch is not None:
+                    writer.write(batch)
+                    acc.add(batch)
+                    tokens += len(batch)
+                    parts += 1
+                if bar is not None:
+                    rate = tokens / max(time.perf_counter() - t0, 1e-9)
+                    bar.update(task, advance=len(chunk), tokens=tokens, rate=rate)
+        seconds = time.perf_counter() - t0
+        return ProfileResult(
+            out_dir=out,
+            meta=meta,
+            prompts_selected=len(prompts),
+            prompts_resumed=len(prompts) - len(todo),
+            prompts_profiled=len(todo),
+            tokens=tokens,
+            trace_tokens=acc.tokens,
+            parts_written=parts,
+            seconds=seconds,
+            load_seconds=load_seconds,
+            skewness=tuple(float(s) for s in acc.skewness),
+            embeddings_path=embeddings_path,
         )
-    writer = TraceWriter(out, meta)
-    write_json_atomic(out / SETTINGS_FILE, settings)
-    embeddings_path = None
-    if config.save_embeddings:
-        embeddings_path = save_embeddings(model, out / EMBEDDINGS_FILE, dtype, meta)
-    load_seconds = time.perf_counter() - t0
 
-    acc = LoadAccumulator(meta)
-    if done:
-        for done_batch in open_trace(out).iter_batches():
-            acc.add(done_batch)
-    t0 = time.perf_counter()
-    tokens, parts = 0, 0
-    with _progress_bar(progress, len(todo)) as (bar, task):
-        for start in range(0, len(todo), config.prompts_per_part):
-            chunk = todo[start : start + config.prompts_per_part]
-            batch = session.profile(chunk)
-            if batch is not None:
-                writer.write(batch)
-                acc.add(batch)
-                tokens += len(batch)
-                parts += 1
-            if bar is not None:
-                rate = tokens / max(time.perf_counter() - t0, 1e-9)
-                bar.update(task, advance=len(chunk), tokens=tokens, rate=rate)
-    seconds = time.perf_counter() - t0
-    return ProfileResult(
-        out_dir=out,
-        meta=meta,
-        prompts_selected=len(prompts),
-        prompts_resumed=len(prompts) - len(todo),
-        prompts_profiled=len(todo),
-        tokens=tokens,
-        trace_tokens=acc.tokens,
-        parts_written=parts,
-        seconds=seconds,
-        load_seconds=load_seconds,
-        skewness=tuple(float(s) for s in acc.skewness),
-        embeddings_path=embeddings_path,
-    )
+
+@contextlib.contextmanager
+def _claim_out_dir(out: Path) -> Iterator[None]:
+    """Hold ``out`` while this run writes it: an exclusive lock (``flock``) on the directory,
+    made if missing, so that a second ``profile`` into it at the same time is refused
+    instead of mixing two runs' parts and settings. The lock ends with the process, so a
+    killed run leaves none behind. A directory this run made is removed if the run fails
+    before writing anything into it.
+    """
+    # Refused before any work: the directory could not be made once the model is loaded.
+    check_parents(out)
+    if out.is_symlink() and not out.exists():
+        raise InputError(
+            f"output {str(out)!r} is a symbolic link to {os.readlink(out)!r}, which does not "
+            f"exist; choose another --out"
+        )
+    if out.exists() and not out.is_dir():
+        raise InputError(f"output {str(out)!r} exists and is not a directory")
+    made = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise InputError(
+                f"output {str(out)!r}: another moeplan profile run is writing there; wait for "
+                f"it to end or choose another --out"
+            ) from None
+        try:
+            yield
+        except BaseException:
+            if made and not any(out.iterdir()):
+                out.rmdir()
+            raise
+    finally:
+        os.close(fd)
 
 
 def _prepare_out_dir(
@@ -509,16 +549,7 @@ def _prepare_out_dir(
     A resume continues only a directory an earlier ``profile`` run started (it holds that
     run's ``profile.json``) with the same settings and the same prompts file.
     """
-    # Refused before any work: the directory could not be made once the model is loaded.
-    check_parents(out)
-    if out.is_symlink() and not out.exists():
-        raise InputError(
-            f"output {str(out)!r} is a symbolic link to {os.readlink(out)!r}, which does not "
-            f"exist; choose another --out"
-        )
-    if out.exists() and not out.is_dir():
-        raise InputError(f"output {str(out)!r} exists and is not a directory")
-    if not out.exists() or not any(out.iterdir()):
+    if not any(out.iterdir()):
         return set(), {}
     if not resume:
         raise InputError(

@@ -220,3 +220,38 @@ def test_model_that_does_not_fit_the_device_is_one_line(model_dirs, prompts, tmp
     monkeypatch.setattr(torch.nn.Module, "to", out_of_memory)
     with pytest.raises(ModelError, match="cannot move the model to cpu \\(CUDA out of memory"):
         load_model(info, "cpu", "float32", progress=False)
+
+
+def test_a_second_run_into_the_same_out_at_once_is_refused(model_dirs, prompts, tmp_path, capsys):
+    import fcntl
+    import os
+
+    out = tmp_path / "trace"
+    out.mkdir()
+    fd = os.open(out, os.O_RDONLY)  # another run holds the directory
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        line = _error_line(capsys, ["profile", "--model", str(model_dirs["olmoe"]), "--prompts",
+                                    str(prompts), "--out", str(out)])  # fmt: skip
+    finally:
+        os.close(fd)
+    assert "another moeplan profile run is writing there" in line
+    assert list(out.iterdir()) == []
+    # Once it has ended, the directory is free.
+    result = profile_model(model_dirs["olmoe"], prompts, out, progress=False)
+    assert result.prompts_profiled == 5
+
+
+def test_a_failed_run_removes_the_directory_it_made(model_dirs, prompts, tmp_path, monkeypatch):
+    import planner.profile.runner as runner
+
+    def fail(*args, **kwargs):
+        raise ModelError("cannot load the model")
+
+    monkeypatch.setattr(runner, "load_model", fail)
+    made, kept = tmp_path / "new" / "trace", tmp_path / "kept"
+    kept.mkdir()
+    for out in (made, kept):
+        with pytest.raises(ModelError, match="cannot load the model"):
+            profile_model(model_dirs["olmoe"], prompts, out, progress=False)
+    assert not made.exists() and kept.is_dir()
