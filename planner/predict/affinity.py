@@ -494,15 +494,10 @@ def _fill_from_global(own: np.ndarray, global_order: np.ndarray, seen: np.ndarra
 
 def check_embeddings(embeddings: np.ndarray, vocab_size: int, where: str = "embeddings") -> None:
     """Raise :class:`InputError` unless ``embeddings`` is a finite [V, d] float matrix."""
-    if embeddings.ndim != 2 or embeddings.shape[0] != vocab_size:
-        raise InputError(
-            f"{where}: shape {tuple(embeddings.shape)} disagrees with the vocabulary; "
-            f"expected ({vocab_size}, d) rows for vocab_size={vocab_size}"
-        )
-    if not np.issubdtype(embeddings.dtype, np.floating):
-        raise InputError(f"{where}: dtype {embeddings.dtype} is not floating point")
-    if embeddings.shape[1] == 0:
-        raise InputError(f"{where}: the embeddings have no columns (shape {embeddings.shape})")
+    _check_embeddings_shape(
+        tuple(embeddings.shape), np.issubdtype(embeddings.dtype, np.floating),
+        str(embeddings.dtype), vocab_size, where,
+    )  # fmt: skip
     # in float32, as they are used; in blocks, so a memory-mapped file is not read whole
     for start in range(0, vocab_size, _NEAREST_BLOCK):
         with np.errstate(over="ignore"):
@@ -515,16 +510,33 @@ def check_embeddings(embeddings: np.ndarray, vocab_size: int, where: str = "embe
             )
 
 
+def _check_embeddings_shape(
+    shape: tuple, floating: bool, dtype: str, vocab_size: int, where: str
+) -> None:
+    if len(shape) != 2 or shape[0] != vocab_size:
+        raise InputError(
+            f"{where}: shape {tuple(shape)} disagrees with the vocabulary; "
+            f"expected ({vocab_size}, d) rows for vocab_size={vocab_size}"
+        )
+    if not floating:
+        raise InputError(f"{where}: dtype {dtype} is not floating point")
+    if shape[1] == 0:
+        raise InputError(f"{where}: the embeddings have no columns (shape {tuple(shape)})")
+
+
 def load_embeddings(
-    path: str | Path, vocab_size: int, fingerprint: str | None = None
-) -> np.ndarray:
+    path: str | Path, vocab_size: int, fingerprint: str | None = None, *, header_only=False
+) -> np.ndarray | None:
     """Input embeddings [V, d] float32 from a ``.npy`` file or a ``.safetensors`` file.
 
     In a safetensors file with several tensors, the one whose name contains ``embed`` and
     which has V rows is used (``model.embed_tokens.weight``, ``embeddings``, ...); bfloat16
     (a model checkpoint's usual dtype) is read through torch. With ``fingerprint`` (the
     trace's model fingerprint), a file that records another model's fingerprint in its
-    metadata (``moeplan profile --save-embeddings`` writes one) is refused.
+    metadata (``moeplan profile --save-embeddings`` writes one) is refused. ``header_only``
+    checks the file, the tensor's shape and dtype and the fingerprint without reading the
+    values (finiteness is not checked) and returns None: ``moeplan fit`` refuses a wrong
+    file before its pass over the trace, and holds the matrix in memory only after it.
     """
     path = Path(path)
     if not path.is_file():
@@ -534,6 +546,12 @@ def load_embeddings(
             emb = np.load(path, mmap_mode="r", allow_pickle=False)
         except (ValueError, EOFError) as e:  # EOFError: an empty file
             raise InputError(f"{path}: not a .npy array ({e})") from None
+        if header_only:
+            _check_embeddings_shape(
+                emb.shape, np.issubdtype(emb.dtype, np.floating), str(emb.dtype), vocab_size,
+                str(path),
+            )  # fmt: skip
+            return None
     elif path.suffix == ".safetensors":
         from safetensors import SafetensorError, safe_open
 
@@ -557,6 +575,13 @@ def load_embeddings(
                         f"{path}: embeddings of model {model!r} (fingerprint {recorded}), not "
                         f"of the trace's model (fingerprint {fingerprint})"
                     )
+                if header_only:
+                    dtype = f.get_slice(candidates[0]).get_dtype()  # "F32", "BF16", "I64", ...
+                    _check_embeddings_shape(
+                        tuple(shapes[candidates[0]]), dtype.startswith(("F", "BF")), dtype,
+                        vocab_size, str(path),
+                    )  # fmt: skip
+                    return None
                 try:
                     emb = f.get_tensor(candidates[0])
                 except (TypeError, AttributeError):  # a dtype numpy lacks, e.g. bfloat16

@@ -161,6 +161,8 @@ def _fit_components(
 def _fit_trace(path: Path, config: FitConfig) -> FitResult:
     trace = open_trace(path)
     meta = trace.meta
+    if config.embeddings:  # a wrong file is refused before the pass; read after it
+        load_embeddings(config.embeddings, meta.vocab_size, meta.fingerprint(), header_only=True)
     split = None
     request_ids = trace.request_ids()
     if config.holdout is not None:

@@ -377,3 +377,33 @@ def test_embeddings_of_another_model_are_refused(exact_trace, tmp_path, capsys):
     same = {"model": meta.model, "fingerprint": meta.fingerprint()}
     save_file({"embeddings": emb}, str(tmp_path / "same.safetensors"), metadata=same)
     assert main([*args, "--embeddings", str(tmp_path / "same.safetensors")]) == 0
+
+
+def test_a_wrong_embeddings_file_is_refused_before_the_pass(exact_trace, tmp_path, monkeypatch):
+    # Before: the shape, dtype and model of the embeddings were checked only after the pass
+    # over the whole trace.
+    import torch
+    from safetensors.torch import save_file as save_torch
+
+    import planner.predict.fit as fit
+
+    path, gen = exact_trace
+    v = gen.config.vocab_size
+    other = {"model": "other/model", "fingerprint": "0123456789abcdef"}
+    save_file({"e": np.zeros((v, 4), np.float32)}, str(tmp_path / "other.safetensors"), other)
+    save_file({"e": np.zeros((v, 4), np.int32)}, str(tmp_path / "int.safetensors"))
+    np.save(tmp_path / "short.npy", np.zeros((v - 1, 4), np.float32))
+    save_torch({"e": torch.zeros(v, 4, dtype=torch.bfloat16)}, str(tmp_path / "bf16.safetensors"))
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("the pass over the trace started")
+
+    monkeypatch.setattr(fit, "CountsAccumulator", no_pass)
+    cases = {"other.safetensors": "other/model", "int.safetensors": "not floating point",
+             "short.npy": "disagrees with the vocabulary"}  # fmt: skip
+    for name, message in cases.items():
+        with pytest.raises((InputError, MismatchError), match=message):
+            fit_predictor(path, FitConfig(embeddings=str(tmp_path / name)))
+    # a good file passes the check (and the pass starts)
+    with pytest.raises(AssertionError, match="pass over the trace started"):
+        fit_predictor(path, FitConfig(embeddings=str(tmp_path / "bf16.safetensors")))
