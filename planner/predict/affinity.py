@@ -513,6 +513,8 @@ def check_embeddings(embeddings: np.ndarray, vocab_size: int, where: str = "embe
 def _check_embeddings_shape(
     shape: tuple, floating: bool, dtype: str, vocab_size: int, where: str
 ) -> None:
+    """The checks of :func:`check_embeddings` that need no values: from an array, or from a
+    file's header (:func:`load_embeddings` with ``header_only``)."""
     if len(shape) != 2 or shape[0] != vocab_size:
         raise InputError(
             f"{where}: shape {tuple(shape)} disagrees with the vocabulary; "
@@ -525,7 +527,7 @@ def _check_embeddings_shape(
 
 
 def load_embeddings(
-    path: str | Path, vocab_size: int, fingerprint: str | None = None, *, header_only=False
+    path: str | Path, vocab_size: int, fingerprint: str | None = None, *, header_only: bool = False
 ) -> np.ndarray | None:
     """Input embeddings [V, d] float32 from a ``.npy`` file or a ``.safetensors`` file.
 
