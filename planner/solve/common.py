@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from planner.solve.assign import Assignment, assign_tokens
+from planner.solve.assign import Assignment, assign_tokens, descending_within_groups
 from planner.solve.effort import Effort, charge
 from planner.solve.problem import LOAD_RTOL, LayerPlacement, LayerProblem
 
@@ -282,7 +282,7 @@ def batch_overflow(
     loss_each = np.divide(
         own - (act - own) / (e - 1), freq, out=np.zeros_like(own), where=freq > 0
     ).clip(min=0.0)
-    order = np.lexsort((-conf[rows], key))
+    order = descending_within_groups(key, conf[rows], cap.size * e)  # np.lexsort((-conf, key))
     key, rows, occ, batch = key[order], rows[order], occ[order], batch[order]
     csum = np.cumsum(occ)
     start = np.searchsorted(key, key)  # first entry of each (batch, device) group

@@ -12,6 +12,7 @@ The search charges its work to an optional ``effort`` meter (:mod:`planner.solve
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -36,6 +37,12 @@ _SWAP_EXPERTS = 4
 _SWAP_PARTNERS = 6
 # Max elements of one [tokens, m, m] block when scoring swaps.
 _SWAP_BLOCK = 1 << 21
+# Problems with at most this many tokens (CEO's scoring tokens from E = 8 on) score many
+# device pairs' swaps at once, over all their tokens: per-pair numpy calls cost more than
+# the arithmetic there (timed on the DeepSeek-V3-shaped layer; beyond it, pair by pair wins).
+_SWAP_ALL_ROWS = 2048
+# Max elements of one [m, m, tokens, pairs] block when scoring device pairs together.
+_SWAP_GROUP = 1 << 18
 
 
 def polish(
@@ -123,7 +130,6 @@ def swap_candidates(
     e, per = problem.ep_size, problem.experts_per_device
     if e < 2:
         return []
-    wc = problem.affinity_csc
     charge(effort, "swap_candidates", entries=gain.size, steps=e)
     adjusted = gain - problem.token_freq[:, None] * np.asarray(prices)[None, :]
     top = np.argsort(-adjusted, axis=1, kind="stable")[:, :3]
@@ -141,15 +147,58 @@ def swap_candidates(
     pairs = sorted({(min(p, q), max(p, q)) for p in range(e) for q in partners[p]})
     m = min(per, _SWAP_EXPERTS)
     chunk = max(1, _SWAP_BLOCK // (m * m))
+    tried = _drawn_experts(members, pull, pairs, m)
+    values = (adjusted, top, top_values, current)
+    full = all(a.size == m and b.size == m for a, b in tried)  # m experts on each side
+    if full and m > 1 and problem.num_tokens <= min(chunk, _SWAP_ALL_ROWS):
+        scored = _score_pairs_together(problem, values, pairs, tried, m)
+    else:
+        scored = _score_pairs(problem, values, pairs, tried, m, chunk)
     candidates = []
-    for p, q in pairs:
-        mem_p = members[p][np.argsort(pull[p, members[p]] - pull[q, members[p]], kind="stable")[:m]]
-        mem_q = members[q][np.argsort(pull[q, members[q]] - pull[p, members[q]], kind="stable")[:m]]
-        cols = np.concatenate((mem_p, mem_q))
+    for (p, q), (mem_p, mem_q), (rows, delta) in zip(pairs, tried, scored, strict=True):
+        charge(effort, "swap_pair", entries=rows * (m * m + 2))
+        if rows == 0:
+            continue
+        i, j = np.unravel_index(int(delta.argmax()), delta.shape)
+        candidates.append((float(delta[i, j]), p, q, mem_p[i], mem_q[j]))
+    scale = max(float(np.abs(current).sum()), 1.0) * 1e-12
+    return sorted((c for c in candidates if c[0] > scale), key=lambda c: -c[0])
+
+
+def _drawn_experts(members: list[np.ndarray], pull: np.ndarray, pairs, m: int):
+    """[(mem_p, mem_q)] per device pair (p, q): the ``m`` experts of p most drawn to q, and
+    those of q most drawn to p (by increasing ``pull[own] - pull[other]``, ties by expert
+    id: a stable sort). With as many experts on every device, one sort for all pairs."""
+    if len({d.size for d in members}) != 1:
+        return [
+            tuple(
+                members[a][np.argsort(pull[a, members[a]] - pull[b, members[a]], kind="stable")[:m]]
+                for a, b in ((p, q), (q, p))
+            )
+            for p, q in pairs
+        ]
+    table = np.stack(members)  # [E, per]
+    p, q = np.array(pairs, dtype=np.int64).reshape(-1, 2).T
+    sides = []
+    for own, other in ((p, q), (q, p)):
+        experts = table[own]  # [P, per]
+        drawn = pull[own[:, None], experts] - pull[other[:, None], experts]
+        order = np.argsort(drawn, axis=1, kind="stable")[:, :m]
+        sides.append(np.take_along_axis(experts, order, axis=1))
+    return list(zip(*sides, strict=True))
+
+
+def _score_pairs(problem, values, pairs, tried, m: int, chunk: int):
+    """[(rows, delta [m, m])] per device pair: the tokens that route to one of its tried
+    experts (rows: how many), and the summed value change of each swap over them."""
+    adjusted, top, top_values, current = values
+    wc = problem.affinity_csc
+    out = []
+    for (p, q), (mem_p, mem_q) in zip(pairs, tried, strict=True):
         # only tokens that route to one of the tried experts change value
-        rows, block_all = _column_block(wc, cols)
-        charge(effort, "swap_pair", entries=rows.size * (m * m + 2))
-        if rows.size == 0:
+        rows, block_all = _column_block(wc, np.concatenate((mem_p, mem_q)))
+        if rows.size == 0:  # no swap changes a value (the caller skips the pair)
+            out.append((0, np.zeros((m, m))))
             continue
         # best adjusted value of each token outside devices p and q
         outside = best_outside(top[rows], top_values[rows], p, q)
@@ -165,10 +214,73 @@ def swap_candidates(
             np.maximum(best, outside[lo : lo + chunk, None, None], out=best)
             best -= current[sel][:, None, None]
             delta += best.sum(axis=0)
-        i, j = np.unravel_index(int(delta.argmax()), delta.shape)
-        candidates.append((float(delta[i, j]), p, q, mem_p[i], mem_q[j]))
-    scale = max(float(np.abs(current).sum()), 1.0) * 1e-12
-    return sorted((c for c in candidates if c[0] > scale), key=lambda c: -c[0])
+        out.append((rows.size, delta))
+    return out
+
+
+def _score_pairs_together(problem, values, pairs, tried, m: int):
+    """:func:`_score_pairs` for few tokens: many device pairs at once, over all the tokens.
+
+    With few tokens the per-pair numpy calls cost more than the arithmetic, so the pairs
+    are scored in groups of G, each over every token, in [m, m, tokens, G] blocks (numpy's
+    inner loops then run over tokens x pairs). The results are the same bit for bit: the
+    arithmetic of each entry is that of :func:`_score_pairs`; a token that routes to none
+    of a pair's tried experts adds exactly +0.0 (its value on p, on q or outside is its
+    current value, and no partial sum is -0.0); and numpy sums the tokens axis of a
+    C-ordered block one token after the other when the axes after it hold more than one
+    element (G > 1: a lone pair is scored twice), as it does for the [rows, m, m] block
+    (m > 1; within ``_SWAP_BLOCK``, one chunk) of :func:`_score_pairs`.
+    """
+    adjusted, top, top_values, current = values
+    num_tokens = problem.num_tokens
+    wc = problem.affinity_csc
+    mem = np.array([np.concatenate(t) for t in tried])  # [P, 2m] tried experts per pair
+    group = max(2, _SWAP_GROUP // (num_tokens * m * m))
+    # buffers for the [m, m, J, G] and [2m, J, G] blocks; each group's are C-ordered views
+    most = num_tokens * max(2, min(group, len(pairs)))  # J x G of the largest group
+    diff_buffer, best_buffer = np.empty(m * m * most), np.empty(m * m * most)
+    block_buffer = np.empty(2 * m * most)
+    out = []
+    for lo in range(0, len(pairs), group):
+        chosen = np.arange(lo, min(lo + group, len(pairs)))
+        if chosen.size == 1:  # G > 1, see above
+            chosen = np.repeat(chosen, 2)
+        p, q = np.array([pairs[k] for k in chosen], dtype=np.int64).T
+        g = chosen.size
+        block = block_buffer[: 2 * m * num_tokens * g].reshape(2 * m, num_tokens, g)
+        _fill_columns(block, wc, mem[chosen].T)  # block[c, j, k]: W[j, mem[k, c]]
+        rows = np.count_nonzero(block.any(axis=0), axis=0).tolist()
+        shape = (m, m, num_tokens, g)
+        diff = diff_buffer[: math.prod(shape)].reshape(shape)
+        best = best_buffer[: math.prod(shape)].reshape(shape)
+        np.subtract(block[None, m:], block[:m, None], out=diff)  # W[j, f] - W[j, e]
+        # value on p, on q, or outside, less the current value (as in _score_pairs); the
+        # [J, G] terms go in as rows of [m * m, J * G] views (long inner loops)
+        flat_diff, flat_best = diff.reshape(m * m, -1), best.reshape(m * m, -1)
+        np.add(adjusted[:, p].reshape(1, -1), flat_diff, out=flat_best)
+        on_q = np.subtract(adjusted[:, q].reshape(1, -1), flat_diff, out=flat_diff)
+        np.maximum(flat_best, on_q, out=flat_best)
+        np.maximum(flat_best, best_outside(top, top_values, p, q).reshape(1, -1), out=flat_best)
+        flat_best -= np.repeat(current, g)[None, :]
+        summed = best.sum(axis=2)  # [m, m, G]
+        for k in range(min(group, len(pairs) - lo)):
+            delta = np.zeros((m, m))
+            delta += summed[:, :, k]
+            out.append((rows[k], delta))
+    return out
+
+
+def _fill_columns(out: np.ndarray, wc, cols: np.ndarray) -> None:
+    """``out[c, j, k] = W[j, cols[c, k]]`` for ``out`` [C, J, K] and ``cols`` [C, K], from
+    W's CSC ``wc``: one scatter of the columns' nonzeros into zeros."""
+    c, j, k = out.shape
+    starts, ends = wc.indptr[cols.ravel()], wc.indptr[cols.ravel() + 1]
+    lengths = ends - starts
+    # per nonzero: its position in wc.indices / wc.data, and out's flat index of its row 0
+    at = np.arange(lengths.sum()) + np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
+    corner = np.repeat((np.arange(c)[:, None] * (j * k) + np.arange(k)).ravel(), lengths)
+    out.fill(0.0)
+    out.reshape(-1)[corner + wc.indices[at] * k] = wc.data[at]
 
 
 def _column_block(wc, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
