@@ -189,6 +189,8 @@ def dual_prices(
     price = np.zeros(e) if prices is None else np.asarray(prices, dtype=np.float64).copy()
     if num_tokens == 0 or not np.isfinite(room).any():
         return np.where(np.isfinite(room), price, 0.0)
+    if e == 1:  # nothing to choose: an over-full device's price would run to infinity
+        return np.zeros(1)
     devices, cols = np.arange(e), np.arange(num_tokens)
     # Device-major [E, J]: each sweep reduces over the few devices of many tokens, which
     # numpy does row against row, faster than token by token along a short last axis (a

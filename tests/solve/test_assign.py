@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from scipy import sparse
@@ -107,3 +109,15 @@ def test_best_two_is_argmax_max_and_runner_up() -> None:
     np.testing.assert_array_equal(first, values.argmax(axis=0))
     np.testing.assert_array_equal(best, values.max(axis=0))
     np.testing.assert_array_equal(second, np.sort(values, axis=0)[-2])
+
+
+def test_one_device_over_its_capacity_takes_every_token() -> None:
+    # Before: the one device's price ran to infinity (there is no second device to prefer),
+    # then to NaN, and placing the heavy tokens failed with "max() arg is an empty sequence".
+    rng = np.random.default_rng(1)
+    gain = rng.integers(0, 4, (40, 1)).astype(float)
+    freq = rng.integers(1, 20, 40).astype(float)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no inf - inf on the way
+        result = assign.assign_tokens(gain, freq, 0.6 * freq.sum(), sweeps=30)
+    assert (result.token_to_device == 0).all() and np.array_equal(result.prices, [0.0])
