@@ -218,7 +218,7 @@ def dual_prices(
         td = np.repeat(devices, bounds[1:] - bounds[:-1])
         tj, tv = flat - td * num_tokens, flat_threshold[flat]
         # the order permutes within each device's segment, so td stays as it is
-        order = _by_device_then_descending(td, tv, e)
+        order = descending_within_groups(td, tv, e)
         tv, load = tv[order], freq[tj[order]]
         csum = np.cumsum(load)
         before = np.concatenate(([0.0], csum))[bounds[:-1]]
@@ -236,25 +236,6 @@ def dual_prices(
         if np.abs(step).max() <= 1e-7 * scale:
             break
     return price
-
-
-def _by_device_then_descending(td: np.ndarray, tv: np.ndarray, e: int) -> np.ndarray:
-    """``np.lexsort((-tv, td))`` for ``td`` already sorted (as ``np.nonzero`` gives rows).
-
-    The same permutation, ties in the original order: from one sort of integer keys
-    (:func:`_keyed_order`) when it can vouch for the result, else from one stable sort per
-    device's segment (about twice as fast as the two-key sort on 80k-175k entries).
-    """
-    order = _keyed_order(td, tv, e)
-    if order is not None:
-        return order
-    bounds = np.searchsorted(td, np.arange(e + 1))
-    descending = -tv
-    order = np.empty(td.size, dtype=np.intp)
-    for d in range(e):
-        lo, hi = bounds[d], bounds[d + 1]
-        order[lo:hi] = lo + np.argsort(descending[lo:hi], kind="stable")
-    return order
 
 
 def descending_within_groups(group: np.ndarray, value: np.ndarray, groups: int) -> np.ndarray:

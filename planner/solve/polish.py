@@ -265,7 +265,7 @@ def _score_pairs_together(problem, values, pairs, tried, m: int):
         summed = best.sum(axis=2)  # [m, m, G]
         for k in range(min(group, len(pairs) - lo)):
             delta = np.zeros((m, m))
-            delta += summed[:, :, k]
+            delta += summed[:, :, k]  # from zeros, as _score_pairs sums (-0.0 becomes 0.0)
             out.append((rows[k], delta))
     return out
 
