@@ -60,14 +60,21 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
 
 
 def check_output(
-    path: str | os.PathLike, *, marker: str | None, what: str, inputs: tuple = ()
+    path: str | os.PathLike,
+    *,
+    marker: str | None,
+    what: str,
+    inputs: tuple = (),
+    suffixes: tuple[str, ...] = (),
 ) -> Path:
     """``path`` as a Path if a ``what`` may be written there, else :class:`InputError`.
 
     A directory artifact (``marker`` given) may replace nothing, an empty directory, or an
     earlier ``what`` (a directory holding an entry that matches the glob ``marker``); a
     file, or any other non-empty directory, is refused. A file artifact (``marker`` None)
-    may replace a file, never a directory, nor a file inside one of the ``inputs``. Either
+    may replace a file, never a directory, nor a file inside one of the ``inputs``; given
+    ``suffixes``, only an empty file or one whose name ends in one of them (so that
+    ``--out prompts.jsonl`` for a JSON placement file does not wipe the prompts). Either
     kind refuses one of the command's ``inputs`` or a directory holding one (replacing it
     would delete the input while the command reads it). So a mistyped output path deletes
     nothing. A path under an existing file, and a directory artifact's path that is a symbolic
@@ -85,6 +92,16 @@ def check_output(
     if marker is None:
         if path.is_dir():
             raise InputError(f"{path}: is a directory; a {what} is a file")
+        if (
+            suffixes
+            and path.is_file()
+            and path.stat().st_size > 0
+            and path.suffix.lower() not in suffixes
+        ):
+            raise InputError(
+                f"{path}: exists and is not a {what} (a name ending in {' or '.join(suffixes)}); "
+                f"choose another output path"
+            )
         return path
     if path.is_symlink():  # the atomic write would have to replace the link by a directory
         raise InputError(

@@ -99,7 +99,9 @@ def export(
         from planner.export.engines import EnginePlacement
 
         fmt = get_format(engines[0])
-        check_output(out, marker=None, what=f"{fmt.name} file", inputs=(plan,))
+        check_output(
+            out, marker=None, what=f"{fmt.name} file", inputs=(plan,), suffixes=fmt.suffixes
+        )
         text = fmt.render(EnginePlacement.from_bundle(bundle, num_model_layers))
         write_bytes_atomic(out, text.encode())
         result = {"path": out, "format": fmt.name, "usage": fmt.usage}

@@ -15,6 +15,7 @@ from planner.evaluate import EvalConfig
 from planner.evaluate.compare import compare_methods
 from planner.evaluate.plots import check_plot_path, plot_comparison
 from planner.predict.predictor import load_predictor
+from planner.solve.ilp import check_lp_path
 from planner.solve.ngram_term import DEFAULT_WEIGHT
 from planner.solve.pipeline import PlanConfig, make_plan
 from planner.solve.plan import check_plan_output
@@ -57,8 +58,12 @@ def _check_lp_path(opts: dict, inputs: tuple, outputs: tuple = ()) -> None:
                 f"ilp lp_path {lp_path}: the command writes {out} there; choose another path"
             )
     check_output(
-        lp_path, marker=None, what="LP file (ilp lp_path)", inputs=tuple(filter(None, inputs))
+        lp_path,
+        marker=None,
+        what="LP file (ilp lp_path)",
+        inputs=tuple(filter(None, inputs)),
     )
+    check_lp_path(lp_path)
 
 
 @app.command("solve")

@@ -281,6 +281,12 @@ class EngineFormat:
     def render(self, placement: EnginePlacement) -> str:
         return self.dump(self.build(placement))
 
+    @property
+    def suffixes(self) -> tuple[str, ...]:
+        """File name endings of this format: an existing file is replaced only if it has one."""
+        suffix = Path(self.filename).suffix
+        return (".yaml", ".yml") if suffix == ".yaml" else (suffix,)
+
 
 FORMATS: dict[str, EngineFormat] = {
     f.name: f

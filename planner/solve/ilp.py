@@ -57,7 +57,7 @@ side. It also keeps HiGHS near its time limit: under a 10 s limit the example's 
 and the 64-expert EP 32 layer above 12.8 s instead of 76 s.
 
 Solvers: HiGHS through its Python API (``pulp.HiGHS``, needs highspy) or CBC
-(``pulp.PULP_CBC_CMD``). ``lp_path`` writes the program in LP format before solving; a
+(``pulp.PULP_CBC_CMD``). ``lp_path`` (a name ending in ``.lp``) writes the program in LP format before solving; a
 layer of a model solve writes its own file, the layer's index before the suffix
 (``prog.lp`` -> ``prog.layer3.lp``), so no layer's program replaces another's.
 """
@@ -98,6 +98,15 @@ DEFAULT_TIME_LIMIT = 60.0
 _CHILD = highs_child.__file__
 
 
+def check_lp_path(lp_path: str) -> Path:
+    """``lp_path`` as a Path if it ends in ``.lp``: the program is written in LP format, one
+    file a layer (``NAME.layerL.lp``), and so only ever replaces an earlier LP file."""
+    path = Path(lp_path)
+    if path.suffix.lower() != ".lp":
+        raise InputError(f"ilp: lp_path={lp_path!r} must end in .lp")
+    return path
+
+
 def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     started = time.perf_counter()
     opts = check_options("ilp", config.for_method("ilp"), DEFAULTS, KINDS)
@@ -116,7 +125,7 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     start = _start(sub) if opts["start"] else None
     prog, x_vars, y_vars = build_program(sub, symmetry_breaking=symmetry, start=start)
     if opts["lp_path"]:
-        lp_path = Path(str(opts["lp_path"]))
+        lp_path = check_lp_path(str(opts["lp_path"]))
         if problem.layer is not None:
             lp_path = lp_path.with_name(f"{lp_path.stem}.layer{problem.layer}{lp_path.suffix}")
         with atomic_path(lp_path) as tmp:

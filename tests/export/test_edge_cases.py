@@ -88,6 +88,24 @@ def test_export_refuses_a_manifest_whose_moe_layers_reach_absurdly_far(
     assert not out.exists()
 
 
+def test_a_single_engine_file_replaces_only_a_file_of_its_kind(tmp_path, hand_bundle, capsys):
+    """`export --format sglang --out prompts.jsonl` replaced the user's prompts with JSON:
+    a single engine file may replace an empty file or one named like its format only."""
+    plan = save_bundle(hand_bundle, tmp_path / "plan")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"text": "keep me"}\n')
+    for fmt, out in (("sglang", prompts), ("trtllm", prompts), ("vllm-ascend", prompts)):
+        rc = main(["export", str(plan), "--out", str(out), "--format", fmt])
+        _one_line_error(capsys, rc, "exists and is not a")
+    assert prompts.read_text() == '{"text": "keep me"}\n'
+    for fmt, name in (("sglang", "old.JSON"), ("trtllm", "old.yml"), ("trtllm", "empty")):
+        out = tmp_path / name
+        out.write_text("" if name == "empty" else "earlier")
+        assert main(["export", str(plan), "--out", str(out), "--format", fmt]) == 0
+        assert out.read_text() not in ("", "earlier")
+    capsys.readouterr()
+
+
 # ---------------------------------------------------------------------------------------
 # Plans handed to export / evaluate
 
