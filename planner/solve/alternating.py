@@ -59,7 +59,7 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     rng = np.random.default_rng(config.seed)
     e, per = problem.ep_size, problem.experts_per_device
     coact = coactivation(problem)
-    t = cluster_tokens(problem, rng, rounds=int(opts["init_rounds"]))
+    t = cluster_tokens(problem, rng, rounds=int(opts["init_rounds"]), deadline=deadline)
     prices = None
     best: tuple[float, np.ndarray | None, np.ndarray] = (-np.inf, None, t)
     x: np.ndarray | None
@@ -69,7 +69,7 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
             break
         scores = expert_scores(problem, t)
         x = _expert_step(problem, scores, coact, opts)
-        x = _swap_refine(x, scores, coact, opts, rng, e)
+        x = _swap_refine(x, scores, coact, opts, rng, e, deadline)
         gain = device_gains(problem, x)
         share = scores / np.maximum(scores.sum(axis=1, keepdims=True), 1e-300)  # [E, N]
         token_token = problem.affinity @ share.T  # [J, E]
@@ -91,7 +91,11 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
 
 
 def cluster_tokens(
-    problem: LayerProblem, rng: np.random.Generator, *, rounds: int = 10
+    problem: LayerProblem,
+    rng: np.random.Generator,
+    *,
+    rounds: int = 10,
+    deadline: float | None = None,
 ) -> np.ndarray:
     """Initial token clusters by their affinity to experts: balanced spherical k-means.
 
@@ -99,7 +103,9 @@ def cluster_tokens(
     seeded by k-means++ among the heaviest rows (weighted by :attr:`row_mass`, the
     frequency of a token row), then ``rounds`` times: tokens go to their most similar
     centroid under the capacity assignment (so clusters stay balanced), centroids become the
-    mass-weighted mean profile of their tokens. Returns token_to_device [J] int64.
+    mass-weighted mean profile of their tokens; after the first round, only until
+    ``deadline`` (a ``time.perf_counter()`` value) if one is given. Returns token_to_device
+    [J] int64.
     """
     w, freq, e = problem.affinity, problem.token_freq, problem.ep_size
     row_mass = problem.row_mass
@@ -128,7 +134,9 @@ def cluster_tokens(
     centroids = pool[chosen]  # [E, N]
     t = np.zeros(problem.num_tokens, dtype=np.int64)
     prices = None
-    for _ in range(max(1, rounds)):
+    for round_ in range(max(1, rounds)):
+        if round_ and deadline is not None and time.perf_counter() > deadline:
+            break
         similarity = np.asarray(unit @ centroids.T) * row_mass[:, None]  # [J, E]
         result = assign_tokens(similarity, freq, problem.capacity, prices=prices, sweeps=4)
         t_new, prices = result.token_to_device, result.prices
@@ -189,8 +197,10 @@ def _swap_refine(
     opts: dict,
     rng: np.random.Generator,
     e: int,
+    deadline: float | None = None,
 ) -> np.ndarray:
-    """Random pairwise swaps between devices, kept when the aggregated affinity rises."""
+    """Random pairwise swaps between devices, kept when the aggregated affinity rises;
+    ``swap_rounds`` of them, or fewer where ``deadline`` passes first."""
     if e < 2:
         return x
     x = x.copy()
@@ -198,6 +208,8 @@ def _swap_refine(
     # member_affinity[d, k] = sum of coact[k, l] over experts l on device d.
     member_affinity = np.stack([coact[x == d].sum(axis=0) for d in range(e)])
     for _ in range(int(opts["swap_rounds"])):
+        if deadline is not None and time.perf_counter() > deadline:
+            break
         p, q = rng.choice(e, size=2, replace=False)
         a = int(rng.choice(np.flatnonzero(x == p)))
         b = int(rng.choice(np.flatnonzero(x == q)))

@@ -111,6 +111,10 @@ DEFAULT_EFFORT = 5.0e6
 # won the example's one lost case and cost FLAME-MoE 0.7% of its lead), hence the cap.
 MODEL_EFFORT = 58 * DEFAULT_EFFORT
 MAX_LAYER_EFFORT = 1.5 * DEFAULT_EFFORT
+# Most labels the samples of one round may hold: each is a float64 draw and an int64 label
+# (16 bytes), so 2**26 of them take 1 GiB; the defaults draw at most 32 x (N + J), 1.6M for a
+# DeepSeek-V3 layer. More was asked only by mistake, and died of memory part way through.
+MAX_SAMPLE_CELLS = 2**26
 
 DEFAULTS: dict[str, object] = {
     "variant": "improved",
@@ -179,6 +183,7 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
         raise InputError(f"ceo: elite={opts['elite']!r} must lie in (0, 1]")
     if not (0.0 < float(opts["smoothing"]) <= 1.0):
         raise InputError(f"ceo: smoothing={opts['smoothing']!r} must lie in (0, 1]")
+    _check_samples(problem, opts)
     deadline = None if config.time_limit is None else started + config.time_limit
     if opts["variant"] == "paper":
         x, t, info = _solve_paper(problem, opts, config.seed, deadline)
@@ -187,6 +192,19 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     return finish(
         problem, "ceo", x, seed=config.seed, started=started, token_to_device=t, info=info
     )
+
+
+def _check_samples(problem: LayerProblem, opts: dict) -> None:
+    """InputError if one round's samples would not fit in MAX_SAMPLE_CELLS labels: every
+    sample labels each expert, and each token too unless tokens are assigned, not drawn."""
+    paper = opts["variant"] == "paper"
+    samples = int(opts["samples"] or (32 if paper else 8))
+    drawn = problem.num_experts + (problem.num_tokens if paper or not opts["assign_tokens"] else 0)
+    if samples * drawn > MAX_SAMPLE_CELLS:
+        raise InputError(
+            f"ceo: samples={samples} draws {samples} x {drawn} labels a round, more than "
+            f"{MAX_SAMPLE_CELLS}; use at most {max(1, MAX_SAMPLE_CELLS // drawn)} samples"
+        )
 
 
 # Sampling -----------------------------------------------------------------------------------

@@ -55,7 +55,12 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     features = expert_profiles(problem, str(opts["profile"]))
     rng = np.random.default_rng(config.seed)
     runs: dict[bytes, tuple[float, np.ndarray, int]] = {}
-    for _ in range(int(opts["n_init"])):
+    deadline = None if config.time_limit is None else started + config.time_limit
+    restarts = 0
+    for restarts in range(1, int(opts["n_init"]) + 1):  # noqa: B007
+        if runs and deadline is not None and time.perf_counter() > deadline:
+            restarts -= 1
+            break
         labels, inertia, iters = balanced_kmeans(
             features, problem.ep_size, rng, max_iter=int(opts["max_iter"])
         )
@@ -78,6 +83,7 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
         "inertia": float(inertia),
         "iterations": int(iters),
         "n_init": int(opts["n_init"]),
+        "restarts_run": restarts,  # fewer than n_init where the time limit stopped them
         "distinct_clusterings": len(runs),
     }
     return finish(

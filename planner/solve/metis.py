@@ -78,14 +78,19 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
             f"{_MAX_EXPERT_WEIGHT:g}"
         )
     adjacency, eweights, token_w = _bipartite_graph(problem, opts)
-    settings = [
+    # one at a time (a huge ncuts never builds a list), until the time limit if one is set
+    settings = (
         (float(ew), int(uf), cut)
         for ew in _as_tuple(opts["expert_weights"])
         for uf in _as_tuple(opts["ufactors"])
         for cut in range(int(opts["ncuts"]))
-    ]
-    best = None
+    )
+    deadline = None if config.time_limit is None else started + config.time_limit
+    best, tried = None, 0
     for setting in settings:
+        if best is not None and deadline is not None and time.perf_counter() > deadline:
+            break
+        tried += 1
         expert_weight, ufactor, cut = setting
         expert_w = max(int(round(expert_weight * token_w.sum() / problem.num_experts)), 0)
         vweights = np.concatenate((np.full(problem.num_experts, expert_w, dtype=np.int64), token_w))
@@ -109,7 +114,7 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     assert best is not None, "metis: the options give no partition to try"
     _, x, t, setting, moved = best
     info = {
-        "partitions": len(settings),
+        "partitions": tried,
         "best_setting": {
             "expert_weight": setting[0],
             "ufactor": setting[1],

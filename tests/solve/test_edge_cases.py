@@ -176,6 +176,22 @@ def test_ilp_lp_path_never_replaces_an_input_or_lands_in_the_plan(predictor_dir,
     assert "reads its input" in capsys.readouterr().err
 
 
+def test_ilp_lp_path_must_end_in_lp(predictor_dir, small_problem, tmp_path, capsys):
+    """lp_path "notes.txt" overwrote notes.layer0.txt, notes.layer1.txt, ... with programs."""
+    notes = tmp_path / "notes.layer0.txt"
+    notes.write_text("keep")
+    opts = json.dumps({"ilp": {"max_variables": 200, "lp_path": str(tmp_path / "notes.txt")}})
+    plan = tmp_path / "plan"
+    args = ["solve", str(predictor_dir / "pred"), "--ep", "2", "--method", "ilp"]
+    assert main([*args, "--out", str(plan), "--options", opts]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moeplan: error:") and "must end in .lp" in err and "\n" not in err
+    assert notes.read_text() == "keep" and not plan.exists()
+    with pytest.raises(InputError, match="must end in .lp"):
+        solve_layer(small_problem, "ilp", SolverConfig(options={"ilp": {"lp_path": str(notes)}}))
+    assert notes.read_text() == "keep"
+
+
 @pytest.mark.parametrize("methods", ["", " , ", ",,"])
 def test_compare_with_no_method_says_so(predictor_dir, capsys, methods: str) -> None:
     args = ["compare", str(predictor_dir / "pred"), str(predictor_dir / "trace"), "--ep", "2"]
@@ -183,3 +199,39 @@ def test_compare_with_no_method_says_so(predictor_dir, capsys, methods: str) -> 
     assert main([*args, "--methods", methods]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("moeplan: error:") and "names no method" in err
+
+
+def test_ceo_refuses_samples_that_would_not_fit_in_memory(
+    predictor_dir, small_problem, tmp_path, capsys
+):
+    """{"ceo": {"variant": "paper", "samples": 100000000}} drew 24 GB before the kernel
+    killed the solve; samples=10**9 died with numpy's allocation traceback."""
+    for opts in ({"samples": 10**9}, {"variant": "paper", "samples": 10**8}):
+        with pytest.raises(InputError, match="ceo: samples=.* labels a round.* use at most"):
+            solve_layer(small_problem, "ceo", SolverConfig(options={"ceo": opts}))
+    args = ["solve", str(predictor_dir / "pred"), "--ep", "2", "--out", str(tmp_path / "plan")]
+    options = json.dumps({"ceo": {"variant": "paper", "samples": 10**8}})
+    assert main([*args, "--options", options]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moeplan: error: ceo: samples=") and "\n" not in err
+    assert not (tmp_path / "plan").exists()
+
+
+@pytest.mark.parametrize(
+    "method,options",
+    [
+        ("kmeans", {"n_init": 10**9}),
+        ("metis", {"ncuts": 10**9}),
+        ("alternating", {"swap_rounds": 10**12}),
+    ],
+)
+def test_huge_counts_stop_at_the_time_limit(method: str, options: dict) -> None:
+    """--time-limit is hard per layer: k-means' restarts, METIS' settings (whose list was
+    built up front: 3 x 10**9 tuples) and the swap rounds of alternating ran on past it."""
+    import time
+
+    problem = random_problem(300, 16, 4, top_k=4, seed=3)
+    started = time.perf_counter()
+    result = solve_layer(problem, method, SolverConfig(time_limit=1.0, options={method: options}))
+    assert time.perf_counter() - started < 8.0
+    result.validate(problem)
