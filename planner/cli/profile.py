@@ -25,7 +25,9 @@ def profile(
     ),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run in --out."),
     save_embeddings: bool = typer.Option(
-        False, "--save-embeddings", help="Also save the input embeddings as embeddings.safetensors."
+        False,
+        "--save-embeddings",
+        help="Also save the input embeddings as embeddings.safetensors, in the run's dtype.",
     ),
 ) -> None:
     """Record every prompt token's top-k experts and gate weights at every MoE layer."""

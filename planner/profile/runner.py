@@ -592,14 +592,14 @@ def _read_settings(out: Path) -> dict[str, Any]:
 
 
 def save_embeddings(model: Any, dest: Path, dtype: str, meta: TraceMeta) -> Path:
-    """Write the input-embedding matrix [V, H] to ``dest`` (float32 when the model runs in
-    float32, else float16), tensor name ``embeddings``."""
+    """Write the input-embedding matrix [V, H] to ``dest`` in the dtype the model runs in
+    (``dtype``; bfloat16 stays bfloat16: as float16 a value beyond 65504 became inf, which
+    ``fit`` then refused), tensor name ``embeddings``."""
     import torch
     from safetensors.torch import save_file
 
     weight = model.get_input_embeddings().weight.detach()
-    out_dtype = torch.float32 if dtype == "float32" else torch.float16
-    tensor = weight.to(device="cpu", dtype=out_dtype).contiguous()
+    tensor = weight.to(device="cpu", dtype=getattr(torch, dtype)).contiguous()
     metadata = {"model": meta.model, "fingerprint": meta.fingerprint()}
     with atomic_path(dest) as tmp:
         save_file({EMBEDDINGS_TENSOR: tensor}, str(tmp), metadata=metadata)

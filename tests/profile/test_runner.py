@@ -241,6 +241,28 @@ def test_bfloat16_run_is_a_valid_trace(model_dirs, prompts_file, tmp_path):
     assert len(rows) > 0 and np.isfinite(rows.weights.astype(np.float32)).all()
 
 
+def test_bfloat16_run_keeps_embeddings_beyond_the_float16_range(model_dirs, prompts_file, tmp_path):
+    """A bfloat16 run saved float16 embeddings: a value beyond 65504 became inf, and
+    `moeplan fit` then refused the file as not finite."""
+    from planner.predict.affinity import load_embeddings
+    from tests.profile.tiny_models import save_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["qwen3_moe"])
+    with torch.no_grad():
+        model.get_input_embeddings().weight[3, 0] = 1.0e6
+    model_dir = tmp_path / "big"
+    model.save_pretrained(model_dir)
+    save_tokenizer(model_dir)
+    out = tmp_path / "t"
+    config = ProfileConfig(dtype="bfloat16", max_prompts=2, save_embeddings=True)
+    profile_model(model_dir, prompts_file, out, config, progress=False)
+    meta = open_trace(out).meta
+    emb = load_embeddings(out / EMBEDDINGS_FILE, meta.vocab_size, meta.fingerprint())
+    assert emb is not None and np.isfinite(emb).all()
+    want = model.get_input_embeddings().weight.detach().to(torch.bfloat16).float().numpy()
+    np.testing.assert_array_equal(emb, want)
+
+
 def test_resume_after_interruption_equals_a_clean_run(
     model_dirs, prompts_file, tmp_path, monkeypatch
 ):
