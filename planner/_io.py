@@ -72,19 +72,22 @@ def check_output(
     A directory artifact (``marker`` given) may replace nothing, an empty directory, or an
     earlier ``what`` (a directory holding an entry that matches the glob ``marker``); a
     file, or any other non-empty directory, is refused. A file artifact (``marker`` None)
-    may replace a file, never a directory, nor a file inside one of the ``inputs``; given
-    ``suffixes``, only an empty file or one whose name ends in one of them (so that
-    ``--out prompts.jsonl`` for a JSON placement file does not wipe the prompts). Either
-    kind refuses one of the command's ``inputs`` or a directory holding one (replacing it
-    would delete the input while the command reads it). So a mistyped output path deletes
-    nothing. A path under an existing file, and a directory artifact's path that is a symbolic
-    link, are refused too: the write would fail once the work is done.
+    may replace a file, never a directory; given ``suffixes``, only an empty file or one
+    whose name ends in one of them (so that ``--out prompts.jsonl`` for a JSON placement
+    file does not wipe the prompts). Either kind refuses one of the command's ``inputs``, a
+    directory holding one (replacing it would delete the input while the command reads it)
+    and a path inside one (replacing the input later would delete the output). So a
+    mistyped output path deletes nothing. A path under an existing file, and a directory
+    artifact's path that is a symbolic link, are refused too: the write would fail once the
+    work is done.
     """
     path = Path(path)
     here = path.resolve()
     for given in inputs:
         source = Path(given).resolve()
-        if here == source or here in source.parents or (marker is None and source in here.parents):
+        # an output inside an input is refused too: replacing that input later (say, fit
+        # --out PRED once more) would delete the output with it
+        if here == source or here in source.parents or source in here.parents:
             raise InputError(
                 f"{path}: the command reads its input {given} there; choose another output path"
             )

@@ -287,6 +287,30 @@ def test_outputs_never_replace_inputs_or_other_directories(pipeline, tmp_path, c
     assert main(["solve", str(pred), "--ep", "2", "--method", "kmeans", "--out", str(plan)]) == 0
 
 
+def test_an_output_inside_its_input_is_refused(pipeline, tmp_path, capsys):
+    """`solve PRED --out PRED/plan` was allowed, and a later `fit --out PRED` (an earlier
+    predictor, so replaced) deleted the plan with it; so for every directory artifact."""
+    d, _, _, _ = pipeline
+    pred, plan = tmp_path / "pred", tmp_path / "plan"
+    assert main(["fit", str(d / "fit"), "--out", str(pred)]) == 0
+    assert main(["solve", str(pred), "--ep", "2", "--method", "vanilla", "--out", str(plan)]) == 0
+    capsys.readouterr()
+    before = {p: sorted(x.name for x in p.iterdir()) for p in (pred, plan, d / "fit")}
+    for args in (
+        ["solve", str(pred), "--ep", "2", "--method", "vanilla", "--out", str(pred / "plan")],
+        ["export", str(plan), "--out", str(plan / "bundle")],
+        ["fit", str(d / "fit"), "--out", str(d / "fit" / "pred")],
+        ["trace", "split", str(d / "fit"), "--fit-out", str(d / "fit" / "f"),
+         "--heldout-out", str(tmp_path / "h")],
+    ):  # fmt: skip
+        assert main(args) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("moeplan: error:") and "reads its input" in err, args
+        assert "\n" not in err
+    assert {p: sorted(x.name for x in p.iterdir()) for p in before} == before
+    assert not (tmp_path / "h").exists()
+
+
 def test_a_trace_of_unknown_tokens_plans_with_every_method(pipeline, tmp_path, capsys):
     """Every token id -1 (a tokenizer the trace did not record): no token rows to place, but
     the n-gram tables still fit. Every method then gives the default deployment, no error."""
