@@ -94,6 +94,10 @@ DEFAULTS: dict[str, object] = {
 }
 KINDS = {"max_variables": "count+", "lp_path": "text?"}  # see common.check_options
 DEFAULT_TIME_LIMIT = 60.0
+# Largest ``max_variables`` accepted: PuLP holds about 2 KB per z-variable while it builds the
+# program (512k took 1.2 GB and 14 s on the reference machine, before HiGHS starts and
+# outside the time limit); a whole DeepSeek-V3 layer would need tens of GB.
+MAX_VARIABLES = 2_000_000
 # The script HiGHS runs in (a child process killed at the deadline, _HighsWithStart).
 _CHILD = highs_child.__file__
 
@@ -110,6 +114,11 @@ def check_lp_path(lp_path: str) -> Path:
 def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     started = time.perf_counter()
     opts = check_options("ilp", config.for_method("ilp"), DEFAULTS, KINDS)
+    if int(opts["max_variables"]) > MAX_VARIABLES:
+        raise InputError(
+            f"ilp: max_variables={opts['max_variables']} is more than {MAX_VARIABLES:,} "
+            f"(PuLP needs about 2 KB of memory for each while it builds the program)"
+        )
     time_limit = float(config.time_limit or DEFAULT_TIME_LIMIT)
     keep = _tokens_in_budget(problem, int(opts["max_variables"]))
     sub = problem if keep.size == problem.num_tokens else problem.select_tokens(keep)

@@ -235,3 +235,15 @@ def test_huge_counts_stop_at_the_time_limit(method: str, options: dict) -> None:
     result = solve_layer(problem, method, SolverConfig(time_limit=1.0, options={method: options}))
     assert time.perf_counter() - started < 8.0
     result.validate(problem)
+
+
+def test_ilp_refuses_a_variable_budget_that_would_not_fit_in_memory(small_problem) -> None:
+    """max_variables=10**12 ("solve it all exactly") built a PuLP program of ~2 KB a
+    variable, tens of GB for a DeepSeek-V3 layer, outside the time limit."""
+    from planner.solve.ilp import MAX_VARIABLES
+
+    options = {"ilp": {"max_variables": 10**12}}
+    with pytest.raises(InputError, match="ilp: max_variables=1000000000000 is more than"):
+        solve_layer(small_problem, "ilp", SolverConfig(time_limit=5.0, options=options))
+    options = {"ilp": {"max_variables": MAX_VARIABLES}}
+    solve_layer(small_problem, "ilp", SolverConfig(time_limit=5.0, options=options))
