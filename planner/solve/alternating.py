@@ -55,7 +55,7 @@ DEFAULTS: dict[str, object] = {
 def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     started = time.perf_counter()
     opts = check_options("alternating", config.for_method("alternating"), DEFAULTS)
-    deadline = None if config.time_limit is None else started + config.time_limit
+    deadline = config.deadline(started)
     rng = np.random.default_rng(config.seed)
     e, per = problem.ep_size, problem.experts_per_device
     coact = coactivation(problem)

@@ -184,7 +184,7 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     if not (0.0 < float(opts["smoothing"]) <= 1.0):
         raise InputError(f"ceo: smoothing={opts['smoothing']!r} must lie in (0, 1]")
     _check_samples(problem, opts)
-    deadline = None if config.time_limit is None else started + config.time_limit
+    deadline = config.deadline(started)
     if opts["variant"] == "paper":
         x, t, info = _solve_paper(problem, opts, config.seed, deadline)
     else:

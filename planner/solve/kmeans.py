@@ -55,12 +55,12 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     features = expert_profiles(problem, str(opts["profile"]))
     rng = np.random.default_rng(config.seed)
     runs: dict[bytes, tuple[float, np.ndarray, int]] = {}
-    deadline = None if config.time_limit is None else started + config.time_limit
+    deadline = config.deadline(started)
     restarts = 0
-    for restarts in range(1, int(opts["n_init"]) + 1):  # noqa: B007
+    for _ in range(int(opts["n_init"])):
         if runs and deadline is not None and time.perf_counter() > deadline:
-            restarts -= 1
             break
+        restarts += 1
         labels, inertia, iters = balanced_kmeans(
             features, problem.ep_size, rng, max_iter=int(opts["max_iter"])
         )

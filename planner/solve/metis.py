@@ -85,7 +85,7 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
         for uf in _as_tuple(opts["ufactors"])
         for cut in range(int(opts["ncuts"]))
     )
-    deadline = None if config.time_limit is None else started + config.time_limit
+    deadline = config.deadline(started)
     best, tried = None, 0
     for setting in settings:
         if best is not None and deadline is not None and time.perf_counter() > deadline:

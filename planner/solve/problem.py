@@ -347,6 +347,11 @@ class SolverConfig:
             raise InputError(f"options[{method!r}] must be a dict, got {type(opts).__name__}")
         return dict(opts)
 
+    def deadline(self, started: float) -> float | None:
+        """The ``time.perf_counter()`` value at which a solve begun at ``started`` must stop
+        (None: no time limit)."""
+        return None if self.time_limit is None else started + self.time_limit
+
     def with_seed(self, seed: int) -> SolverConfig:
         return dataclasses.replace(self, seed=int(seed))
 
