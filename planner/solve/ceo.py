@@ -194,11 +194,16 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     )
 
 
+def _num_samples(opts: dict) -> int:
+    """K, the samples a round: the ``samples`` option, else 32 (paper) or 8 (improved)."""
+    return int(opts["samples"] or (32 if opts["variant"] == "paper" else 8))
+
+
 def _check_samples(problem: LayerProblem, opts: dict) -> None:
     """InputError if one round's samples would not fit in MAX_SAMPLE_CELLS labels: every
     sample labels each expert, and each token too unless tokens are assigned, not drawn."""
     paper = opts["variant"] == "paper"
-    samples = int(opts["samples"] or (32 if paper else 8))
+    samples = _num_samples(opts)
     drawn = problem.num_experts + (problem.num_tokens if paper or not opts["assign_tokens"] else 0)
     if samples * drawn > MAX_SAMPLE_CELLS:
         raise InputError(
@@ -293,7 +298,7 @@ def align(labels: np.ndarray, reference: np.ndarray, e: int) -> np.ndarray:
 
 def _solve_paper(problem: LayerProblem, opts: dict, seed: int, deadline: float | None):
     rng = np.random.default_rng(seed)
-    num_samples = int(opts["samples"] or 32)
+    num_samples = _num_samples(opts)
     iterations = int(opts["iterations"] or 40)
     p_ep, p_tk, done, cut = _cross_entropy_joint(
         problem,
@@ -447,7 +452,7 @@ def _solve_improved(
     problem: LayerProblem, opts: dict, seed: int, started: float, deadline: float | None
 ):
     rng = np.random.default_rng(seed)
-    num_samples = int(opts["samples"] or 8)
+    num_samples = _num_samples(opts)
     iterations = int(opts["iterations"] or 30)
     share = float(opts["search_share"])
     # The budget: ``effort`` work units (deterministic) and/or ``time_budget`` soft seconds.
