@@ -70,9 +70,9 @@ from pathlib import Path
 import numpy as np
 
 from planner._checks import is_integer
-from planner._io import atomic_path, check_output
+from planner._io import atomic_path
 from planner.errors import InputError, MismatchError, SchemaError
-from planner.trace.io import PART_GLOB, TraceBatch, TraceWriter, write_trace
+from planner.trace.io import TraceBatch, TraceWriter, check_trace_output, write_trace
 from planner.trace.schema import TraceMeta
 
 DUMP_GLOB = "expert_distribution_recorder_*.pt"
@@ -520,10 +520,7 @@ def ingest_sglang(
     if not isinstance(rows_per_part, int) or rows_per_part < 1:
         raise InputError(f"sglang: rows_per_part={rows_per_part!r} must be a positive integer")
     # Never replace an input dump, a directory holding one, or a directory of another kind.
-    single = out.suffix == ".parquet"
-    check_output(
-        out, marker=None if single else PART_GLOB, what="trace", inputs=tuple(dump_files(dumps))
-    )
+    single = check_trace_output(out, inputs=tuple(dump_files(dumps)))
     meta, batch, stats = convert_sglang(
         dumps, model=model, vocab_size=vocab_size, skip_decode=skip_decode
     )

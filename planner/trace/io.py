@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from planner._io import atomic_path
+from planner._io import atomic_path, check_output
 from planner.errors import InputError, MismatchError, SchemaError
 from planner.trace.schema import (
     META_KEY,
@@ -293,6 +293,26 @@ def _read_part_meta(part: Path) -> tuple[TraceMeta, pa.Schema, int]:
     check_arrow_schema(schema, meta, str(part))
     _check_null_statistics(pf.metadata, part)
     return meta, schema, pf.metadata.num_rows
+
+
+def check_trace_output(out: Path, *, inputs: tuple = ()) -> bool:
+    """Check that a trace may be written at ``out`` (``overwrite`` given); True for one file.
+
+    ``out`` ending in ``.parquet`` is one file, anything else a directory of parts. Either
+    replaces only an earlier trace (:func:`planner._io.check_output`); a file must also read
+    as one, so ``--force`` never replaces another Parquet file (a counts table, a user's data).
+    """
+    single = out.suffix == ".parquet"
+    check_output(out, marker=None if single else PART_GLOB, what="trace", inputs=inputs)
+    if single and out.is_file() and out.stat().st_size > 0:
+        try:
+            _read_part_meta(out)
+        except (SchemaError, InputError):
+            raise InputError(
+                f"{out}: exists and is not a trace (--force replaces only an earlier trace); "
+                "choose another output path"
+            ) from None
+    return single
 
 
 def _check_null_statistics(md: pq.FileMetaData, part: Path) -> None:

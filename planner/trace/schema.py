@@ -154,8 +154,17 @@ class TraceMeta:
         fields = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in fields}
         kwargs.setdefault("schema_version", d.get("schema_version", SCHEMA_VERSION))
-        kwargs["moe_layer_indices"] = tuple(kwargs.get("moe_layer_indices") or ())
-        return cls(**kwargs)
+        indices = kwargs.get("moe_layer_indices") or ()
+        if not isinstance(indices, list | tuple):
+            raise SchemaError(
+                f"{where}: 'moeplan' metadata moe_layer_indices={indices!r} must be a list of "
+                "model layer indices"
+            )
+        kwargs["moe_layer_indices"] = tuple(indices)
+        try:
+            return cls(**kwargs)
+        except SchemaError as e:  # name the file: the checks above do not know it
+            raise SchemaError(f"{where}: {e}") from None
 
 
 def arrow_schema(meta: TraceMeta) -> pa.Schema:

@@ -47,9 +47,9 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from planner._checks import is_integer
-from planner._io import atomic_path, check_output
+from planner._io import atomic_path
 from planner.errors import InputError
-from planner.trace.io import PART_GLOB, TraceBatch, open_trace
+from planner.trace.io import TraceBatch, check_trace_output, open_trace
 from planner.trace.schema import TraceMeta
 
 # Share of token draws that come from the vocabulary-wide Zipf law rather than the
@@ -545,10 +545,9 @@ def synthesize(
         raise InputError(f"synth: rows_per_part={rows_per_part!r} must be a positive integer")
     if out.exists() and not overwrite:
         raise InputError(f"{out}: already exists; choose another path or pass overwrite (--force)")
-    single = out.suffix == ".parquet"
-    # --force replaces an earlier trace only: never a file where a directory goes, nor a
-    # non-empty directory of another kind.
-    check_output(out, marker=None if single else PART_GLOB, what="trace")
+    # --force replaces an earlier trace only: never another file, nor a non-empty directory
+    # of another kind.
+    single = check_trace_output(out)
     gen = SynthGenerator(config)
     batch_rows = min(65536, rows_per_part)
     with _progress_bar(progress, config.num_tokens) as advance, atomic_path(out) as tmp:

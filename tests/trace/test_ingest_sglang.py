@@ -192,6 +192,12 @@ def test_force_never_replaces_the_input_dumps(tmp_path):
     with pytest.raises(InputError, match="not a trace"):
         ingest_sglang([dumps], notes, overwrite=True)
     assert (notes / "notes.txt").read_text() == "keep"
+    # Nor another Parquet file, where one file is asked for: a counts table, a user's data.
+    table = tmp_path / "counts.parquet"
+    table.write_bytes(b"PAR1 not a trace")
+    with pytest.raises(InputError, match="exists and is not a trace"):
+        ingest_sglang([dumps], table, overwrite=True)
+    assert table.read_bytes() == b"PAR1 not a trace"
     # An earlier trace is still replaced with --force.
     out = tmp_path / "t"
     ingest_sglang([dumps], out, vocab_size=100)

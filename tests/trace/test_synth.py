@@ -307,3 +307,44 @@ def test_force_replaces_only_an_earlier_trace(tmp_path, capsys):
     out = synthesize(small, tmp_path / "tr")
     synthesize(dataclasses.replace(small, num_tokens=50), out, overwrite=True)
     assert open_trace(out).num_rows == 50
+
+
+def test_force_replaces_a_single_file_only_if_it_is_a_trace(tmp_path, capsys):
+    """``--out X.parquet --force`` onto a user's own Parquet table (or a counts table) is
+    refused, the file kept; an earlier single-file trace is replaced."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    small = dataclasses.replace(SMALL, num_tokens=100, num_requests=3)
+    mine = tmp_path / "mydata.parquet"
+    pq.write_table(pa.table({"user": [1, 2, 3]}), mine)
+    before = mine.read_bytes()
+    args = ["trace", "synth", "--out", str(mine), "--force", "--tokens", "100", "--requests", "3"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"moeplan: error: {mine}: exists and is not a trace (--force replaces only an earlier "
+        "trace); choose another output path"
+    ]
+    assert mine.read_bytes() == before
+    earlier = synthesize(small, tmp_path / "t.parquet")
+    synthesize(dataclasses.replace(small, num_tokens=50), earlier, overwrite=True)
+    assert open_trace(earlier).num_rows == 50
+
+
+def test_metadata_with_a_scalar_layer_list_is_one_line(tmp_path, capsys):
+    import pyarrow.parquet as pq
+
+    out = synthesize(
+        dataclasses.replace(SMALL, num_tokens=100, num_requests=3), tmp_path / "t.parquet"
+    )
+    table = pq.read_table(out)
+    meta = json.loads(table.schema.metadata[b"moeplan"])
+    for bad in (1, True, 5.0, "ab"):
+        meta["moe_layer_indices"] = bad
+        path = tmp_path / "bad.parquet"
+        pq.write_table(table.replace_schema_metadata({b"moeplan": json.dumps(meta).encode()}), path)
+        assert main(["trace", "info", str(path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"moeplan: error: {path}: "), err
+        assert "moe_layer_indices" in err[0]
