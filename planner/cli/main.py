@@ -45,6 +45,14 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130
+    except MemoryError as e:  # sizes a user asked for (a vocabulary, a layer count) too large
+        msg = str(e).splitlines()[0] if str(e) else "the allocation failed"
+        print(
+            f"moeplan: error: not enough memory ({msg}); use smaller sizes or a machine with "
+            "more memory",
+            file=sys.stderr,
+        )
+        return 2
     except _USER_ERRORS as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"moeplan: error: {msg}", file=sys.stderr)

@@ -548,6 +548,9 @@ def load_embeddings(
             emb = np.load(path, mmap_mode="r", allow_pickle=False)
         except (ValueError, EOFError) as e:  # EOFError: an empty file
             raise InputError(f"{path}: not a .npy array ({e})") from None
+        if not isinstance(emb, np.ndarray):  # np.load reads a zip archive whatever its name
+            emb.close()
+            raise InputError(f"{path}: is an .npz archive, not a .npy array; save one array")
         if header_only:
             _check_embeddings_shape(
                 emb.shape, np.issubdtype(emb.dtype, np.floating), str(emb.dtype), vocab_size,

@@ -152,10 +152,24 @@ def trace_domains(trace) -> list[str]:
             f"do ({len(lacking)} of {len(trace.parts)} parts lack it); split by request "
             "(--holdout), or profile those prompts again with their domains"
         )
-    seen: set[str] = set()
+    # A split holds out whole requests: a request whose rows name two domains would end up
+    # on both sides, its held-out tokens fitted on.
+    domain_of: dict[int, str] = {}
     for batch in trace.iter_batches(extras=(DOMAIN_COLUMN,), weights=False, validate=False):
-        seen.update(np.unique(np.asarray(batch.extras[DOMAIN_COLUMN]).astype(str)).tolist())
-    return sorted(seen)
+        names, codes = np.unique(
+            np.asarray(batch.extras[DOMAIN_COLUMN]).astype(str), return_inverse=True
+        )
+        names = names.tolist()  # plain str, for the message
+        rid = np.asarray(batch.request_id)
+        pairs = np.unique(np.stack([rid, codes.astype(np.int64)], axis=1), axis=0)
+        for r, c in pairs.tolist():
+            if domain_of.setdefault(r, names[c]) != names[c]:
+                raise InputError(
+                    f"{trace.path}: request {r} has rows of domain {domain_of[r]!r} and of "
+                    f"{names[c]!r}; a domain split holds out whole requests, so each request "
+                    "needs one domain (split by request with --holdout)"
+                )
+    return sorted(set(domain_of.values()))
 
 
 def split_trace_by_domain(

@@ -51,3 +51,18 @@ def test_paths_and_names_print_as_given_not_as_markup(tmp_path, capsys):
         assert "org/[/bold]m" in capsys.readouterr().out
     assert main(["trace", "info", str(tmp_path / "x[/y]")]) == 2
     assert "x[/y]: no such trace" in capsys.readouterr().err
+
+
+def test_running_out_of_memory_is_one_line(monkeypatch, capsys):
+    """Sizes too large for the machine (``trace synth --layers 100000``) end in one line."""
+    import numpy as np
+
+    import planner.trace.synth as synth
+
+    def too_big(*args, **kwargs):
+        np.empty(1 << 50, np.float64)  # numpy's own MemoryError, as a real run raises it
+
+    monkeypatch.setattr(synth, "timed_synthesize", too_big)
+    assert main(["trace", "synth", "--out", "never"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("moeplan: error: not enough memory (Unable to"), err

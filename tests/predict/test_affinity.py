@@ -111,6 +111,11 @@ def test_load_embeddings_formats(tmp_path):
     np.save(tmp_path / "empty.npy", np.zeros((8, 0), np.float32))
     with pytest.raises(InputError, match="no columns"):
         load_embeddings(tmp_path / "empty.npy", 8)
+    with open(tmp_path / "zip.npy", "wb") as f:  # an .npz archive under an .npy name
+        np.savez(f, a=emb)
+    for header_only in (True, False):
+        with pytest.raises(InputError, match="is an .npz archive, not a .npy array"):
+            load_embeddings(tmp_path / "zip.npy", 8, header_only=header_only)
 
 
 def test_top1_is_the_most_frequent_rank0_expert(small_meta):

@@ -103,6 +103,31 @@ def test_split_by_domain_refuses_bad_requests_and_writes_nothing(tmp_path, exact
         assert not (tmp_path / "fit").exists() and not (tmp_path / "held").exists()
 
 
+def test_split_by_domain_refuses_a_request_of_two_domains(tmp_path, exact_trace):
+    """Whole requests are held out: a request whose rows name two domains would otherwise
+    land on both sides, its held-out tokens fitted on."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from planner.predict.split import split_trace_by_domain, trace_domains
+    from planner.trace import open_trace
+
+    path, _ = exact_trace
+    part = open_trace(path).parts[0]
+    table = pq.read_table(part)
+    domain = np.asarray(table.column("domain")).astype(str)
+    rid = np.asarray(table.column("request_id"))
+    first = np.flatnonzero(rid == rid[0])
+    other = next(d for d in trace_domains(open_trace(path)) if d != domain[0])
+    domain[first[-1]] = other  # the last row of the first request in another domain
+    column = pa.array(domain.tolist()).cast(table.schema.field("domain").type)
+    mixed = table.set_column(table.column_names.index("domain"), "domain", column)
+    pq.write_table(mixed.replace_schema_metadata(table.schema.metadata), tmp_path / "m.parquet")
+    with pytest.raises(InputError, match="has rows of domain .* needs one domain"):
+        split_trace_by_domain(tmp_path / "m.parquet", tmp_path / "f", tmp_path / "h", [other])
+    assert not (tmp_path / "f").exists() and not (tmp_path / "h").exists()
+
+
 def test_split_by_domain_needs_a_domain_column(tmp_path):
     from planner.predict.split import split_trace_by_domain
     from planner.trace import TraceMeta
