@@ -62,11 +62,18 @@ from planner.profile.checkpoint import (
 from planner.profile.prompts import Prompt, read_prompts
 from planner.profile.routers import RoutingRecorder, find_routers
 from planner.trace.info import LoadAccumulator
-from planner.trace.io import EMBEDDINGS_FILE, PART_GLOB, TraceBatch, TraceWriter, open_trace
+from planner.trace.io import (
+    EMBEDDINGS_FILE,
+    PART_GLOB,
+    PROFILE_SETTINGS_FILE,
+    TraceBatch,
+    TraceWriter,
+    open_trace,
+)
 from planner.trace.schema import TraceMeta
 
 EMBEDDINGS_TENSOR = "embeddings"
-SETTINGS_FILE = "profile.json"
+SETTINGS_FILE = PROFILE_SETTINGS_FILE
 DEVICES = ("cpu", "cuda")
 # Settings that change the recorded trace: a resumed run must use the same. A key missing
 # from an older profile.json is not checked. ``routers_sha256`` (the loaded routers' weights,
@@ -461,7 +468,9 @@ def profile_model(
                 f"differ from those of the run that started it (both named {info.name!r})"
             )
         writer = TraceWriter(out, meta)
-        write_json_atomic(out / SETTINGS_FILE, settings)
+        # unfinished until the last part is written: a stopped run's parts are refused by
+        # every command but a resume (planner.trace.io.open_trace)
+        write_json_atomic(out / SETTINGS_FILE, settings | {"finished": False})
         embeddings_path = None
         if config.save_embeddings:
             embeddings_path = save_embeddings(model, out / EMBEDDINGS_FILE, dtype, meta)
@@ -469,7 +478,7 @@ def profile_model(
 
         acc = LoadAccumulator(meta)
         if done:
-            for done_batch in open_trace(out).iter_batches():
+            for done_batch in open_trace(out, unfinished=True).iter_batches():
                 acc.add(done_batch)
         t0 = time.perf_counter()
         tokens, parts = 0, 0
@@ -486,6 +495,7 @@ def profile_model(
                     rate = tokens / max(time.perf_counter() - t0, 1e-9)
                     bar.update(task, advance=len(chunk), tokens=tokens, rate=rate)
         seconds = time.perf_counter() - t0
+        write_json_atomic(out / SETTINGS_FILE, settings | {"finished": True})
         return ProfileResult(
             out_dir=out,
             meta=meta,
@@ -571,7 +581,7 @@ def _prepare_out_dir(
         )
     if not any(out.glob(PART_GLOB)):
         return set(), before
-    return {int(r) for r in open_trace(out).request_ids()}, before
+    return {int(r) for r in open_trace(out, unfinished=True).request_ids()}, before
 
 
 def _read_settings(out: Path) -> dict[str, Any]:

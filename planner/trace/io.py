@@ -7,6 +7,7 @@ Writes are atomic: a part appears under its final name only once it is complete.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Iterator
@@ -28,6 +29,8 @@ from planner.trace.schema import (
 )
 
 PART_GLOB = "part-*.parquet"
+# Settings of the moeplan profile run that wrote a trace directory (planner.profile.runner).
+PROFILE_SETTINGS_FILE = "profile.json"
 # The model's input embeddings [V, d] that ``moeplan profile --save-embeddings`` writes next
 # to the parts (a property of the model, not of the traffic: a split carries it to both sides).
 EMBEDDINGS_FILE = "embeddings.safetensors"
@@ -346,8 +349,10 @@ class Trace:
         num_rows: token occurrences over all parts.
     """
 
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: str | os.PathLike[str], *, unfinished: bool = False):
         self.path = Path(path)
+        if not unfinished:
+            _check_finished(self.path)
         self.parts = trace_parts(self.path)
         metas = [_read_part_meta(p) for p in self.parts]
         self.meta = metas[0][0]
@@ -423,9 +428,33 @@ class Trace:
         return np.unique(np.concatenate(seen)) if seen else np.zeros(0, np.int64)
 
 
-def open_trace(path: str | os.PathLike[str]) -> Trace:
-    """Open the v1 trace at ``path``; raise a one-line error if it is not one."""
-    return Trace(path)
+def open_trace(path: str | os.PathLike[str], *, unfinished: bool = False) -> Trace:
+    """Open the v1 trace at ``path``; raise a one-line error if it is not one.
+
+    A trace directory a ``moeplan profile`` run started and has not finished (stopped, or
+    still running) is refused unless ``unfinished`` (the run's own resume reads it).
+    """
+    return Trace(path, unfinished=unfinished)
+
+
+def _check_finished(path: Path) -> None:
+    """InputError if ``path`` is a profile run's directory whose settings say it is unfinished.
+
+    The profile writes ``"finished": false`` into its settings file before its first part and
+    true after its last; a settings file without the key (older runs) counts as finished.
+    """
+    settings = path / PROFILE_SETTINGS_FILE
+    if not settings.is_file():
+        return
+    try:
+        finished = json.loads(settings.read_text()).get("finished", True)
+    except (ValueError, OSError, AttributeError):
+        return  # not a profile's settings file: the trace's own checks decide
+    if finished is False:
+        raise InputError(
+            f"{path}: the moeplan profile run writing this trace has not finished (stopped or "
+            "still running); finish it with moeplan profile --resume and the same arguments"
+        )
 
 
 def write_trace(path: str | Path, meta: TraceMeta, batch: TraceBatch) -> Path:
@@ -452,7 +481,7 @@ class TraceWriter:
         self.directory.mkdir(parents=True, exist_ok=True)
         existing = sorted(self.directory.glob(PART_GLOB))
         if existing:
-            other = Trace(self.directory).meta
+            other = Trace(self.directory, unfinished=True).meta
             if other.fingerprint() != meta.fingerprint():
                 raise MismatchError(
                     f"{self.directory}: already holds a trace of {other.model!r}; "

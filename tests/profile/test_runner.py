@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from planner.cli.main import main
 from planner.errors import InputError
 from planner.profile import ProfileConfig, profile_model
 from planner.profile.runner import ProfileSession
@@ -289,8 +290,12 @@ def test_resume_after_interruption_equals_a_clean_run(
         profile_model(model_dir, prompts_file, out, ProfileConfig(resume=True, prompts_per_part=3),
                       progress=False)  # fmt: skip
     monkeypatch.setattr(ProfileSession, "profile", real)
-    partial = open_trace(out).request_ids().tolist()
+    partial = open_trace(out, unfinished=True).request_ids().tolist()
     assert partial == list(range(4 + 2 * 3))  # 4 first, then two finished parts of 3
+    # Until it is resumed to the end, no other command takes the stopped run's parts.
+    with pytest.raises(InputError, match="profile run writing this trace has not finished"):
+        open_trace(out)
+    assert main(["trace", "info", str(out)]) == 2
 
     result = profile_model(model_dir, prompts_file, out, ProfileConfig(resume=True), progress=False)
     assert result.prompts_resumed == 10 and result.prompts_profiled == NUM_PROMPTS - 10
