@@ -83,8 +83,12 @@ def fit(
     if not Path(trace).exists():
         raise InputError(f"{trace}: no such trace or counts file")
     check_destination(out, inputs=(trace, *([embeddings] if embeddings else [])))
+    # The command line wins over a --config file: of --holdout and --eval-domain, a value the
+    # file gives stands down for the other one typed.
     if eval_domain and not typed(ctx, "holdout"):
-        holdout = None  # a --config file's holdout (thinning) stands down for --eval-domain
+        holdout = None
+    elif eval_domain and not typed(ctx, "eval_domain"):
+        eval_domain = None
     config = FitConfig(
         holdout=holdout,
         seed=seed,

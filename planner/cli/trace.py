@@ -172,6 +172,12 @@ def split(
     from planner.errors import InputError
     from planner.predict.split import split_trace, split_trace_by_domain
 
+    if (
+        heldout_domain is not None
+        and not typed(ctx, "heldout_domain")
+        and (typed(ctx, "holdout") or typed(ctx, "seed"))
+    ):
+        heldout_domain = None  # a --config file's domain stands down for a typed random split
     if heldout_domain is not None:
         # typed options that only the random split uses are refused; values a --config
         # file's [trace.split] table gives (e.g. the example's holdout and seed) stand down

@@ -162,3 +162,13 @@ def test_a_config_files_holdout_stands_down_for_eval_domain(tmp_path, capsys):
     assert main([*base, "--out", str(tmp_path / "b"), "--holdout", "0.5"]) == 2
     assert "choose either --holdout" in capsys.readouterr().err
     assert not (tmp_path / "b").exists()
+
+
+def test_a_config_files_eval_domain_stands_down_for_a_typed_holdout(tmp_path, capsys):
+    # the command line wins over the file the other way round too
+    path = require(OLMOE_COUNTS)
+    cfg = tmp_path / "moeplan.toml"
+    cfg.write_text('[fit]\neval-domain = "github"\n')
+    args = ["--config", str(cfg), "fit", str(path), "--model", "Mixtral", "--holdout", "0.5"]
+    report = run_json(capsys, [*args, "--out", str(tmp_path / "a"), "--json"])
+    assert report["report"]["split"]["kind"] == "thinning"

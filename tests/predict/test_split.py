@@ -179,6 +179,19 @@ def test_a_config_files_random_split_settings_stand_down_for_a_domain_split(
     assert "held out domain(s) 1 of 0, 1" in capsys.readouterr().out
 
 
+def test_a_config_files_domain_stands_down_for_a_typed_random_split(tmp_path, exact_trace, capsys):
+    from planner.cli.main import main
+
+    path, _ = exact_trace
+    cfg = tmp_path / "moeplan.toml"
+    cfg.write_text('[trace.split]\nheldout-domain = "1"\n')
+    for n, typed in enumerate((["--holdout", "0.5"], ["--seed", "3"])):
+        fit, held = tmp_path / f"f{n}", tmp_path / f"h{n}"
+        args = ["--config", str(cfg), "trace", "split", str(path), *typed]
+        assert main([*args, "--fit-out", str(fit), "--heldout-out", str(held)]) == 0
+        assert "held out domain" not in capsys.readouterr().out
+
+
 def test_a_part_without_the_domain_column(tmp_path, exact_trace):
     # A part lacking a column the other parts have: split by domain names the part; split by
     # request keeps the columns every part has (it used to fail on the first such part).
