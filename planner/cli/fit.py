@@ -38,10 +38,22 @@ def fit(
         False, "--no-embeddings", help="Do not use embeddings found next to the trace."
     ),
     neural: bool = typer.Option(False, "--neural", help="Also train the small neural predictor."),
-    neural_budget: float = typer.Option(
-        60.0, "--neural-budget", help="Neural predictor training budget in seconds."
+    neural_steps: int = typer.Option(
+        3000,
+        "--neural-steps",
+        help="Neural predictor training steps (the budget: the same seed gives the same predictor).",
     ),
-    seed: int = typer.Option(0, "--seed", help="Seed of the split and the neural predictor."),
+    neural_budget: float | None = typer.Option(
+        None,
+        "--neural-budget",
+        help="Also stop neural training after this many seconds (then the predictor depends on "
+        "the machine's speed; the report says when the clock stopped it). Default: no clock.",
+    ),
+    seed: int = typer.Option(
+        0,
+        "--seed",
+        help="Seed of the split and the neural predictor (same seed, same result).",
+    ),
     model: str | None = typer.Option(
         None, "--model", help="Counts tables: model to read (substring match)."
     ),
@@ -95,7 +107,7 @@ def fit(
         embeddings=embeddings,
         auto_embeddings=not no_embeddings,
         neural=neural,
-        neural_config=NeuralConfig(time_budget_s=neural_budget),
+        neural_config=NeuralConfig(max_steps=neural_steps, time_budget_s=neural_budget),
         ep_size=ep_size,
         ngram_order=ngram_order,
         ngram_routed=ngram_routed,

@@ -9,7 +9,9 @@ Training uses the aggregated counts, not the trace: sampling token j with probab
 proportional to its occurrences ``a_j`` and minimising the cross-entropy between the
 softmax of each head and ``Cp[l][j]`` (the token's empirical routing distribution) is, in
 expectation, the paper's per-occurrence cross-entropy on routed experts, at the cost of
-one row per distinct token. It runs on CPU under a step and wall-time budget, seeded.
+one row per distinct token. It runs on CPU for ``max_steps`` steps, seeded, so that the same
+seed gives the same predictor on any machine; an optional wall-clock budget stops it earlier
+(and then the result depends on the machine's speed, which the training log records).
 
 At inference the first layer is folded into a [V, 128] feature table (its input is fixed
 per token), so a prediction is a gather, one 128x128 layer and the heads. A token the
@@ -19,6 +21,7 @@ near-average prediction; with model embeddings it gets the network's genuine gue
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,8 +43,11 @@ class NeuralConfig:
     Attributes:
         embed_dim: width of the predictor's own token embedding (unused with model embeddings).
         hidden: width of the two hidden layers (128 in MoE-GPS).
-        max_steps: optimisation steps at most.
-        time_budget_s: wall-clock training budget in seconds (stops early when spent).
+        max_steps: optimisation steps (the budget: work, so the same seed gives the same
+            predictor on any machine).
+        time_budget_s: optional wall-clock budget in seconds besides (None: none); when it
+            stops training before ``max_steps`` the result depends on the machine's speed
+            and ``train_log_['stopped_by']`` says ``"time"``.
         batch_size: tokens per step (sampled with probability proportional to frequency).
         lr: Adam learning rate.
         seed: seed of initialisation and sampling.
@@ -52,7 +58,7 @@ class NeuralConfig:
     embed_dim: int = 64
     hidden: int = 128
     max_steps: int = 3000
-    time_budget_s: float = 60.0
+    time_budget_s: float | None = None
     batch_size: int = 512
     lr: float = 1e-2
     seed: int = 0
@@ -63,10 +69,10 @@ class NeuralConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InputError(f"neural {name}={value!r} must be a positive integer")
-        numbers = (self.time_budget_s, self.lr)
+        numbers = (self.lr,) if self.time_budget_s is None else (self.time_budget_s, self.lr)
         if not all(isinstance(x, int | float) and not isinstance(x, bool) for x in numbers):
             raise InputError("neural time_budget_s and lr must be numbers")
-        if not self.time_budget_s > 0 or not self.lr > 0:
+        if not all(x > 0 for x in numbers):
             raise InputError("neural time_budget_s and lr must be positive")
 
 
@@ -155,7 +161,8 @@ class NeuralPredictor:
         t0 = time.perf_counter()
         losses: list[float] = []
         step = 0
-        while step < cfg.max_steps and time.perf_counter() - t0 < cfg.time_budget_s:
+        clock = math.inf if cfg.time_budget_s is None else cfg.time_budget_s
+        while step < cfg.max_steps and time.perf_counter() - t0 < clock:
             pick = torch.multinomial(
                 weights, cfg.batch_size, replacement=True, generator=gen
             ).numpy()
@@ -190,6 +197,7 @@ class NeuralPredictor:
         tail = losses[-20:]
         self.train_log_ = {
             "steps": step,
+            "stopped_by": "steps" if step >= cfg.max_steps else "time",
             "seconds": round(seconds, 3),
             "first_loss": round(losses[0], 5) if losses else None,
             "final_loss": round(float(np.mean(tail)), 5) if tail else None,

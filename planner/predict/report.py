@@ -113,8 +113,11 @@ def render_report(report: dict) -> Group:
         tr = neural["train"]
         cost_line += (
             f" (trained {tr['steps']} steps in {tr['seconds']:.1f} s on {tr['input']}, "
-            f"loss {tr['first_loss']} -> {tr['final_loss']})"
+            f"loss {tr['first_loss']} -> {tr['final_loss']}"
         )
+        if tr.get("stopped_by") == "time":
+            cost_line += "; stopped by --neural-budget: the seed alone does not reproduce it"
+        cost_line += ")"
     lines.append(Text(cost_line))
     ng = report["ngram"]
     if ng.get("available", True):

@@ -47,6 +47,24 @@ def test_fit_trace_json_and_table(exact_trace, tmp_path, capsys):
     assert data["report"] is None
 
 
+def test_the_neural_predictor_is_the_same_for_the_same_seed(exact_trace, tmp_path, capsys):
+    # Its budget is steps, not seconds: two runs (on a machine of any speed) give one predictor.
+    path, _ = exact_trace
+    args = ["fit", str(path), "--holdout", "0.5", "--neural", "--neural-steps", "40", "--json"]
+    first = run_json(capsys, [*args, "--out", str(tmp_path / "a")])
+    second = run_json(capsys, [*args, "--out", str(tmp_path / "b")])
+    train = first["report"]["neural"]["train"]
+    assert train["steps"] == 40 and train["stopped_by"] == "steps"
+    a, b = (Predictor.load(tmp_path / d).neural.to_tensors() for d in "ab")
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    assert first["report"]["neural"]["all"] == second["report"]["neural"]["all"]
+    # A clock budget that stops it early says so.
+    main([*args[:-1], "--neural-steps", "100000", "--neural-budget", "0.2",
+          "--out", str(tmp_path / "c")])  # fmt: skip
+    text = " ".join(capsys.readouterr().out.split())
+    assert "stopped by --neural-budget" in text
+
+
 def test_embeddings_next_to_the_trace_are_used(tmp_path, capsys):
     trace_dir = twin_trace(tmp_path / "trace")
     args = ["fit", str(trace_dir), "--out", str(tmp_path / "p"), "--holdout", "0.5", "--json"]

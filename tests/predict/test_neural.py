@@ -27,13 +27,15 @@ def precision(pred: np.ndarray, tokens: np.ndarray) -> float:
 
 
 def test_learns_a_deterministic_mapping_and_is_seeded():
-    cfg = NeuralConfig(max_steps=300, time_budget_s=30, batch_size=64, seed=5)
+    cfg = NeuralConfig(max_steps=300, batch_size=64, seed=5)
+    assert cfg.time_budget_s is None  # no clock unless asked: the same seed, the same predictor
     nn = NeuralPredictor(cfg).fit(chain_counts())
     tokens = np.arange(30)
     assert precision(nn.predict_topk(tokens), tokens) > 0.95
     assert (
         nn.train_log_["steps"] == 300 and nn.train_log_["final_loss"] < nn.train_log_["first_loss"]
     )
+    assert nn.train_log_["stopped_by"] == "steps"
     again = NeuralPredictor(cfg).fit(chain_counts())
     np.testing.assert_array_equal(again.predict_topk(tokens), nn.predict_topk(tokens))
 
