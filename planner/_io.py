@@ -35,6 +35,7 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
     tmp.unlink()
     try:
         yield tmp
+        _default_file_modes(tmp)
         if dest.is_dir() and not dest.is_symlink():
             if not tmp.is_dir():
                 raise InputError(f"{dest}: is a directory; a file cannot replace it")
@@ -57,6 +58,23 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
         elif tmp.exists():
             tmp.unlink()
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _default_file_modes(path: Path) -> None:
+    """Give the files written at ``path`` the permissions of any new file (0644 under the
+    usual umask): safetensors writes 0600, so a bundle exported by one user (the nightly CI
+    job) could not be read by the serving engine's."""
+    mode = 0o666 & ~_umask()
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    for f in files:
+        if not f.is_symlink() and f.stat().st_mode & 0o777 != mode:
+            os.chmod(f, mode)
 
 
 def check_output(

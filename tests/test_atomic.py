@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+from planner import _io
 from planner._io import atomic_path, check_output, read_json_object
 from planner.cli.main import main
 from planner.errors import InputError
@@ -95,3 +97,18 @@ def test_an_output_under_a_dangling_link_is_refused_before_the_work(tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "which does not exist" in err[0], err
     assert not (tmp_path / "nowhere").exists()
+
+
+def test_written_files_get_the_usual_permissions(tmp_path):
+    # safetensors writes 0600: a bundle exported by one user could not be read by another's
+    # serving engine. Atomic writes give every file the mode of a new file under the umask.
+    import safetensors.numpy
+
+    expected = 0o666 & ~_io._umask()
+    with atomic_path(tmp_path / "one.safetensors") as tmp:
+        safetensors.numpy.save_file({"a": np.zeros(3)}, str(tmp))
+    with atomic_path(tmp_path / "dir") as tmp:
+        (tmp / "sub").mkdir(parents=True)
+        safetensors.numpy.save_file({"a": np.zeros(3)}, str(tmp / "sub" / "t.safetensors"))
+    for f in (tmp_path / "one.safetensors", tmp_path / "dir" / "sub" / "t.safetensors"):
+        assert f.stat().st_mode & 0o777 == expected
