@@ -625,10 +625,17 @@ def nearest_known_tokens(embeddings: np.ndarray, seen: np.ndarray) -> np.ndarray
     unseen = np.flatnonzero(~seen)
     if known.size == 0 or unseen.size == 0:
         return out
-    norms = np.linalg.norm(np.asarray(embeddings, np.float32), axis=1)
-    unit_known = (
-        np.asarray(embeddings[known], np.float32) / np.maximum(norms[known], 1e-12)[:, None]
-    )
+    # Norms in float64, a block of rows at a time: squares of float32 values beyond ~1e19
+    # overflow float32 (the norm became inf and every unit vector 0, a silent wrong match).
+    norms = np.concatenate([
+        np.linalg.norm(np.asarray(embeddings[s : s + _NEAREST_BLOCK], np.float64), axis=1)
+        for s in range(0, v, _NEAREST_BLOCK)
+    ])  # fmt: skip
+    unit_known = np.concatenate([
+        (np.asarray(embeddings[rows], np.float64) / np.maximum(norms[rows], 1e-12)[:, None])
+        .astype(np.float32)
+        for rows in np.array_split(known, max(1, -(-known.size // _NEAREST_BLOCK)))
+    ])  # fmt: skip
     valid_known = norms[known] > 0
     for start in range(0, unseen.size, _NEAREST_BLOCK):
         block = unseen[start : start + _NEAREST_BLOCK]

@@ -137,8 +137,13 @@ class NeuralPredictor:
         torch.manual_seed(cfg.seed)
 
         if embeddings is not None:
-            x = np.asarray(embeddings, np.float32)
-            x = x / np.maximum(np.sqrt((x**2).mean(axis=1, keepdims=True)), 1e-12)
+            # Rows scaled to unit RMS, in float64 a block at a time (squares of large float32
+            # values overflow; a whole [V, d] float64 copy would not fit beside the model's).
+            x = np.empty((len(embeddings), embeddings.shape[1]), np.float32)
+            for s in range(0, x.shape[0], 8192):
+                rows = np.asarray(embeddings[s : s + 8192], np.float64)
+                rms = np.sqrt((rows**2).mean(axis=1, keepdims=True))
+                x[s : s + 8192] = rows / np.maximum(rms, 1e-12)
             inputs = torch.from_numpy(np.ascontiguousarray(x))
             embed = None
             first = torch.nn.Linear(inputs.shape[1], cfg.hidden)

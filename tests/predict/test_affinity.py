@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
@@ -83,6 +85,17 @@ def test_nearest_known_is_cosine_not_euclidean():
     emb = np.array([[1.0, 0.0], [0.0, 10.0], [5.0, 0.5]], np.float32)
     seen = np.array([True, True, False])
     assert nearest_known_tokens(emb, seen).tolist() == [0, 1, 0]
+
+
+def test_nearest_known_survives_huge_embeddings():
+    # Squares of float32 values near 1e30 overflow: the match must be scale-free, no warning.
+    rng = np.random.default_rng(0)
+    emb = rng.normal(size=(200, 16)).astype(np.float32)
+    seen = rng.random(200) < 0.5
+    expected = nearest_known_tokens(emb, seen)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert nearest_known_tokens(emb * np.float32(1e30), seen).tolist() == expected.tolist()
 
 
 def test_load_embeddings_formats(tmp_path):

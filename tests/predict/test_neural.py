@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -47,6 +49,13 @@ def test_model_embeddings_let_it_generalise_to_unseen_tokens():
     assert nn.input_ == "model-embedding"
     unseen = np.arange(30, 40)
     assert precision(nn.predict_topk(unseen), unseen) > 0.95
+    # Rows are scaled to unit RMS without overflow, however large the model's values.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        big = NeuralPredictor(NeuralConfig(max_steps=300, batch_size=64)).fit(
+            chain_counts(), emb * 1e30
+        )
+    assert precision(big.predict_topk(unseen), unseen) > 0.95
 
 
 def test_tensor_round_trip_and_unknown_tokens():
