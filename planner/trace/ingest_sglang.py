@@ -519,6 +519,8 @@ def ingest_sglang(
         raise InputError(f"{out}: already exists; choose another path or pass overwrite (--force)")
     if not isinstance(rows_per_part, int) or rows_per_part < 1:
         raise InputError(f"sglang: rows_per_part={rows_per_part!r} must be a positive integer")
+    if not isinstance(model, str) or not model.strip():
+        raise InputError(f"sglang: model={model!r} must be a non-empty name (--model)")
     # Never replace an input dump, a directory holding one, or a directory of another kind.
     single = check_trace_output(out, inputs=tuple(dump_files(dumps)))
     meta, batch, stats = convert_sglang(

@@ -167,6 +167,18 @@ def test_cli_ingest(dump_dir, tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out)
     assert summary["tokens"] == 18 and summary["num_physical_experts"] == 8
     assert open_trace(out).meta.model == "m"
+    # A --vocab-size smaller than the dumps' ids: the summary says how many became unknown.
+    _, expected = fixture.build()
+    small = int(np.sort(expected["token_id"])[-3])
+    assert main(["trace", "ingest", "sglang", str(dump_dir), "--out", str(tmp_path / "s"),
+                 "--vocab-size", str(small)]) == 0  # fmt: skip
+    unknown = int((expected["token_id"] >= small).sum())
+    assert f"{unknown} tokens had ids outside [0, {small})" in capsys.readouterr().out
+    # An empty model name is refused (it names the model every later artifact must match).
+    assert main(["trace", "ingest", "sglang", str(dump_dir), "--out", str(tmp_path / "e"),
+                 "--model", " "]) == 2  # fmt: skip
+    assert "must be a non-empty name" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists()
     text = tmp_path / "notes.pt"
     text.write_text("hello")
     assert main(["trace", "ingest", "sglang", str(text), "--out", str(tmp_path / "u")]) == 2
