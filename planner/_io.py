@@ -7,6 +7,7 @@ directory (same filesystem), then moved into place with ``os.replace``.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import hashlib
 import json
 import os
@@ -84,12 +85,16 @@ def check_output(
     what: str,
     inputs: tuple = (),
     suffixes: tuple[str, ...] = (),
+    members: tuple[str, ...] = (),
 ) -> Path:
     """``path`` as a Path if a ``what`` may be written there, else :class:`InputError`.
 
     A directory artifact (``marker`` given) may replace nothing, an empty directory, or an
-    earlier ``what`` (a directory holding an entry that matches the glob ``marker``); a
-    file, or any other non-empty directory, is refused. A file artifact (``marker`` None)
+    earlier ``what`` (a directory holding an entry that matches the glob ``marker``, and,
+    given ``members``, nothing but entries matching those globs: the files a ``what`` is
+    made of, so that a user's notes beside them, or a project that happens to hold a
+    ``manifest.json``, are never deleted with it); a file, or any other non-empty
+    directory, is refused. A file artifact (``marker`` None)
     may replace a file, never a directory; given ``suffixes``, only an empty file or one
     whose name ends in one of them (so that ``--out prompts.jsonl`` for a JSON placement
     file does not wipe the prompts). Either kind refuses one of the command's ``inputs``, a
@@ -135,6 +140,20 @@ def check_output(
         raise InputError(
             f"{path}: is a non-empty directory that is not a {what}; choose another output path"
         )
+    if members and path.is_dir():
+        foreign = sorted(
+            e.name
+            for e in path.iterdir()
+            if not any(fnmatch.fnmatchcase(e.name, m) for m in members)
+        )
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (
+                f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+            )
+            raise InputError(
+                f"{path}: holds {shown} besides a {what}'s own files, which replacing it would "
+                "delete; move them or choose another output path"
+            )
     return path
 
 

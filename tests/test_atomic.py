@@ -112,3 +112,45 @@ def test_written_files_get_the_usual_permissions(tmp_path):
         safetensors.numpy.save_file({"a": np.zeros(3)}, str(tmp / "sub" / "t.safetensors"))
     for f in (tmp_path / "one.safetensors", tmp_path / "dir" / "sub" / "t.safetensors"):
         assert f.stat().st_mode & 0o777 == expected
+
+
+def test_an_artifact_replaces_a_directory_only_if_it_holds_nothing_else(tmp_path):
+    # A project that happens to hold a manifest.json or a plan.json is not a bundle or a plan:
+    # replacing it deleted the user's other files. Nor are notes beside an earlier artifact.
+    import json
+
+    from planner.export.bundle import check_bundle_output
+    from planner.predict.predictor import check_destination
+    from planner.solve.plan import check_plan_output
+    from planner.trace.io import check_trace_output
+
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "manifest.json").write_text('{"name": "web app"}')
+    (proj / "plan.json").write_text("{}")
+    (proj / "predictor.json").write_text("{}")
+    (proj / "part-00000.parquet").write_text("")
+    (proj / "src.py").write_text("precious")
+    for check in (check_bundle_output, check_plan_output, check_destination):
+        with pytest.raises(InputError, match=r"holds .* besides .* own files"):
+            check(proj)
+    with pytest.raises(InputError, match=r"holds .*predictor\.json.* besides a trace's own"):
+        check_trace_output(proj)
+    assert (proj / "src.py").read_text() == "precious"
+    # An earlier bundle with the engine files its manifest lists may be replaced; one with a
+    # file it does not list may not.
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    manifest = {"files": {"tables.safetensors": {}, "sglang_expert_location.json": {}}}
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    (bundle / "tables.safetensors").write_text("")
+    (bundle / "sglang_expert_location.json").write_text("{}")
+    assert check_bundle_output(bundle) == bundle
+    (bundle / "NOTES.txt").write_text("mine")
+    with pytest.raises(InputError, match="holds NOTES.txt besides a moeplan bundle's own files"):
+        check_bundle_output(bundle)
+    plan = tmp_path / "plan"
+    plan.mkdir()
+    (plan / "plan.json").write_text("{}")
+    (plan / "tables.npz").write_text("")
+    assert check_plan_output(plan) == plan

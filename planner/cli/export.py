@@ -14,8 +14,8 @@ from planner.errors import InputError, SchemaError
 from planner.evaluate import EvalConfig, evaluate_bundle
 from planner.evaluate.plots import check_plot_path, plot_evaluation
 from planner.export import FORMATS, export_plan, load_tables, verify_bundle
-from planner.export.bundle import MANIFEST_FILE
-from planner.export.engines import get_format
+from planner.export.bundle import check_bundle_output
+from planner.export.engines import check_engine_file_replaceable, get_format
 from planner.trace import open_trace
 
 ALL_FORMATS = ("moeplan", *FORMATS)
@@ -103,13 +103,14 @@ def export(
             out, marker=None, what=f"{fmt.name} file", inputs=(plan,), suffixes=fmt.suffixes
         )
         text = fmt.render(EnginePlacement.from_bundle(bundle, num_model_layers))
+        check_engine_file_replaceable(out, fmt, text)
         write_bytes_atomic(out, text.encode())
         result = {"path": out, "format": fmt.name, "usage": fmt.usage}
         console.print_json(json.dumps(result)) if as_json else console.print(
             f"wrote {fmt.name} placement to {out}\n  use it with: {fmt.usage}"
         )
         return
-    check_output(out, marker=MANIFEST_FILE, what="moeplan bundle", inputs=(plan,))
+    check_bundle_output(out, inputs=(plan,))
     result = export_plan(bundle, out, engines=engines, num_model_layers=num_model_layers)
     if as_json:
         console.print_json(json.dumps(result))

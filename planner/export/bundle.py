@@ -457,6 +457,23 @@ def _table_problems(
 # Save / load
 
 
+def check_bundle_output(path: str | Path, inputs: tuple = ()) -> Path:
+    """``path`` as a Path if a bundle may be written there (:func:`planner._io.check_output`):
+    nothing, an empty directory, or an earlier bundle holding only the files its manifest
+    lists (and the manifest)."""
+    path = Path(path)
+    members = [MANIFEST_FILE, TABLES_FILE]
+    if (path / MANIFEST_FILE).is_file():
+        try:
+            listed = json.loads((path / MANIFEST_FILE).read_text()).get("files", {})
+            members += [name for name in listed if isinstance(name, str)]
+        except (ValueError, AttributeError, RecursionError, OSError):
+            pass  # not a bundle's manifest: only the two names a bundle always has
+    return check_output(
+        path, marker=MANIFEST_FILE, what="moeplan bundle", inputs=inputs, members=tuple(members)
+    )
+
+
 def save_bundle(
     bundle: Bundle,
     path: str | os.PathLike,
@@ -472,7 +489,7 @@ def save_bundle(
     for name in extra_files or {}:
         if name in reserved or Path(name).name != name or name.startswith("."):
             raise InputError(f"extra bundle file name {name!r} is reserved or not a plain name")
-    check_output(dest, marker=MANIFEST_FILE, what="moeplan bundle")
+    check_bundle_output(dest)
     with atomic_path(dest) as tmp:
         tmp.mkdir()
         tables_path = tmp / TABLES_FILE

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -286,6 +287,34 @@ class EngineFormat:
         """File name endings of this format: an existing file is replaced only if it has one."""
         suffix = Path(self.filename).suffix
         return (".yaml", ".yml") if suffix == ".yaml" else (suffix,)
+
+
+def _top_level_keys(text: str) -> frozenset[str] | None:
+    """Top-level keys of an engine file's text (JSON, or this module's YAML); None if neither."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        keys = re.findall(r"^([A-Za-z_][A-Za-z0-9_]*):", text, flags=re.MULTILINE)
+        return frozenset(keys) or None
+    return frozenset(value) if isinstance(value, dict) else None
+
+
+def check_engine_file_replaceable(path: str | Path, fmt: EngineFormat, text: str) -> None:
+    """InputError unless ``path`` is absent, empty, or an earlier file of ``fmt``: one whose
+    top-level keys are those of ``text``, the file about to be written (so that ``--out
+    config.json`` never overwrites a model's config with a placement)."""
+    path = Path(path)
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    try:
+        old = path.read_bytes()[: 1 << 26].decode("utf-8")
+    except UnicodeDecodeError:
+        old = ""
+    keys = _top_level_keys(old)
+    if keys is None or keys != _top_level_keys(text):
+        raise InputError(
+            f"{path}: exists and is not an earlier {fmt.name} file; choose another output path"
+        )
 
 
 FORMATS: dict[str, EngineFormat] = {

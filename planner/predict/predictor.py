@@ -311,7 +311,13 @@ def check_destination(path: str | Path, inputs: tuple = ()) -> Path:
     An existing predictor is replaced; a file, any other non-empty directory, or one of
     the command's ``inputs`` is refused (:func:`planner._io.check_output`).
     """
-    return check_output(path, marker=MANIFEST, what="predictor", inputs=inputs)
+    return check_output(
+        path,
+        marker=MANIFEST,
+        what="predictor",
+        inputs=inputs,
+        members=(MANIFEST, REPORT, "*.safetensors"),
+    )
 
 
 def load_predictor(path: str | Path, meta: TraceMeta | None = None) -> Predictor:

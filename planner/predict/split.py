@@ -28,7 +28,7 @@ from planner._checks import is_integer
 from planner._io import atomic_path, check_output
 from planner.errors import InputError
 from planner.predict.counts import TokenExpertCounts
-from planner.trace.io import EMBEDDINGS_FILE, TraceWriter, open_trace
+from planner.trace.io import EMBEDDINGS_FILE, PART_GLOB, TRACE_MEMBERS, TraceWriter, open_trace
 
 
 def check_fraction(fraction: float, what: str = "holdout") -> float:
@@ -215,7 +215,9 @@ def _write_sides(trace, fit_out, heldout_out, heldout_mask) -> dict:
             "separate paths"
         )
     for out in (fit_out, heldout_out):
-        check_output(out, marker="part-*.parquet", what="trace", inputs=(trace.path,))
+        check_output(
+            out, marker=PART_GLOB, what="trace", inputs=(trace.path,), members=TRACE_MEMBERS
+        )
     counts = {"fit": 0, "heldout": 0}
     requests: dict[str, set] = {"fit": set(), "heldout": set()}
     with atomic_path(fit_out) as fit_tmp, atomic_path(heldout_out) as held_tmp:

@@ -56,7 +56,9 @@ PLAN_FILE = "plan.json"  # marks a plan directory
 
 def check_plan_output(path: str | Path, inputs: tuple = ()) -> Path:
     """``path`` as a Path if a plan may be written there (:func:`planner._io.check_output`)."""
-    return check_output(path, marker=PLAN_FILE, what="plan", inputs=inputs)
+    return check_output(
+        path, marker=PLAN_FILE, what="plan", inputs=inputs, members=(PLAN_FILE, "tables.npz")
+    )
 
 
 def layer_seed(seed: int, layer: int) -> int:

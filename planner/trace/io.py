@@ -34,6 +34,9 @@ PROFILE_SETTINGS_FILE = "profile.json"
 # The model's input embeddings [V, d] that ``moeplan profile --save-embeddings`` writes next
 # to the parts (a property of the model, not of the traffic: a split carries it to both sides).
 EMBEDDINGS_FILE = "embeddings.safetensors"
+# What a trace directory is made of: an existing directory holding anything else is not
+# replaced (a user's files beside the parts would be deleted with it).
+TRACE_MEMBERS = (PART_GLOB, PROFILE_SETTINGS_FILE, EMBEDDINGS_FILE)
 _PART_RE = re.compile(r"^part-(\d+)\.parquet$")
 DEFAULT_BATCH_ROWS = 65536
 _INT32 = np.iinfo(np.int32)
@@ -306,7 +309,13 @@ def check_trace_output(out: Path, *, inputs: tuple = ()) -> bool:
     as one, so ``--force`` never replaces another Parquet file (a counts table, a user's data).
     """
     single = out.suffix == ".parquet"
-    check_output(out, marker=None if single else PART_GLOB, what="trace", inputs=inputs)
+    check_output(
+        out,
+        marker=None if single else PART_GLOB,
+        what="trace",
+        inputs=inputs,
+        members=TRACE_MEMBERS,
+    )
     if single and out.is_file() and out.stat().st_size > 0:
         try:
             _read_part_meta(out)

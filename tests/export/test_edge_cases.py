@@ -98,11 +98,26 @@ def test_a_single_engine_file_replaces_only_a_file_of_its_kind(tmp_path, hand_bu
         rc = main(["export", str(plan), "--out", str(out), "--format", fmt])
         _one_line_error(capsys, rc, "exists and is not a")
     assert prompts.read_text() == '{"text": "keep me"}\n'
+    # Named like the format but not one of its files (a model's config.json, an unrelated
+    # YAML): refused too, before the write.
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "mixtral", "num_local_experts": 8}')
+    other_yaml = tmp_path / "opts.yaml"
+    other_yaml.write_text("moe_config:\n  load_balancer: lb.yaml\n")
+    for fmt, out in (("sglang", config), ("vllm-ascend", config), ("trtllm", other_yaml)):
+        rc = main(["export", str(plan), "--out", str(out), "--format", fmt])
+        _one_line_error(capsys, rc, f"exists and is not an earlier {fmt} file")
+    assert "mixtral" in config.read_text() and "lb.yaml" in other_yaml.read_text()
+    # An earlier file of the format (any name), or an empty file, is replaced.
     for fmt, name in (("sglang", "old.JSON"), ("trtllm", "old.yml"), ("trtllm", "empty")):
         out = tmp_path / name
-        out.write_text("" if name == "empty" else "earlier")
+        if name == "empty":
+            out.write_text("")
+        else:
+            assert main(["export", str(plan), "--out", str(out), "--format", fmt]) == 0
+            out.write_text(out.read_text().replace("[", "[ "))  # edited by hand, still the format
         assert main(["export", str(plan), "--out", str(out), "--format", fmt]) == 0
-        assert out.read_text() not in ("", "earlier")
+        assert out.read_text() != "" and "[ " not in out.read_text()
     capsys.readouterr()
 
 
