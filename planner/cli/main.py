@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 # Idle OpenMP threads busy-wait by default; on a small shared CPU that made profiling the
@@ -26,8 +27,22 @@ except ImportError:  # pragma: no cover - older typer
     from click.exceptions import ClickException  # type: ignore[assignment]
 
 # Library exceptions -> one line, and the exit code. Anything not listed is a bug and keeps
-# its traceback.
-_USER_ERRORS: tuple[type[BaseException], ...] = (MoeplanError, FileNotFoundError, PermissionError)
+# its traceback. OSError covers what the machine refuses (a read-only or full disk, a name
+# too long, a missing file): the write was to a temporary name, so nothing is half-written.
+_USER_ERRORS: tuple[type[BaseException], ...] = (MoeplanError, OSError)
+_INTERRUPTED = (
+    "moeplan: {what}; no output was half-written (a stopped profile run keeps its finished "
+    "parts: --resume continues it)"
+)
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that temporary files and child solvers are
+    cleaned up on the way out (the default action kills the process where it stands)."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,11 +55,11 @@ def main(argv: list[str] | None = None) -> int:
         print("moeplan: aborted", file=sys.stderr)
         return 130
     except KeyboardInterrupt:
-        print(
-            "moeplan: interrupted; finished parts are kept (use --resume to continue)",
-            file=sys.stderr,
-        )
+        print(_INTERRUPTED.format(what="interrupted"), file=sys.stderr)
         return 130
+    except Terminated:
+        print(_INTERRUPTED.format(what="terminated"), file=sys.stderr)
+        return 143
     except MemoryError as e:  # sizes a user asked for (a vocabulary, a layer count) too large
         msg = str(e).splitlines()[0] if str(e) else "the allocation failed"
         print(
@@ -57,10 +72,13 @@ def main(argv: list[str] | None = None) -> int:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"moeplan: error: {msg}", file=sys.stderr)
         return getattr(e, "exit_code", 2)
+    if result == 130:  # typer turns Ctrl-C in a command into Exit(130), returned here
+        print(_INTERRUPTED.format(what="interrupted"), file=sys.stderr)
     return result if isinstance(result, int) else 0
 
 
 def run() -> None:
+    signal.signal(signal.SIGTERM, _raise_terminated)
     sys.exit(main())
 
 

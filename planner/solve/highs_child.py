@@ -35,7 +35,23 @@ def _save(path: str, **arrays) -> None:
     os.replace(tmp, path)
 
 
+def _die_with_parent() -> None:
+    """Be killed when the parent dies (Linux): a moeplan terminated mid-solve must not leave
+    HiGHS running for the rest of its time limit, or longer (it overruns it)."""
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the parent's deadline still kills it
+        return
+    if os.getppid() == 1:  # the parent died before the call
+        os._exit(1)
+
+
 def main(model: str, options: str, start: str, out_dir: str) -> int:
+    _die_with_parent()
     h = highspy.Highs()
     settings = json.loads(options)
     h.setOptionValue("output_flag", bool(settings.pop("output_flag", False)))

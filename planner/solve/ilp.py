@@ -65,12 +65,14 @@ another's.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import highspy
@@ -141,7 +143,8 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
         with atomic_path(lp_path) as tmp:
             prog.writeLP(str(tmp))
     solve_started = time.perf_counter()
-    prog.solve(solver)
+    with _stdout_to_stderr():
+        prog.solve(solver)
     status = _status(prog)
     if status == "infeasible" and sub.balance == "cap":
         # tokens are indivisible: allow one maximal token above the cap (the slack rule of
@@ -151,7 +154,8 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
             sub, symmetry_breaking=symmetry, capacity=capacity, start=start
         )
         solve_started = time.perf_counter()
-        prog.solve(solver)
+        with _stdout_to_stderr():
+            prog.solve(solver)
         status = _status(prog)
     over = time.perf_counter() - solve_started - time_limit
     if status == "infeasible":
@@ -302,6 +306,26 @@ def _tokens_in_budget(problem: LayerProblem, max_variables: int) -> np.ndarray:
     return np.sort(order[:count])
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Send what is written to file descriptor 1 to descriptor 2 meanwhile: HiGHS prints its
+    banner on stdout when PuLP creates it, before any option can be set (and its child
+    process inherits the descriptor), so that ``--json`` output stays JSON."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no descriptor 1
+        yield
+        return
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 class _HighsWithStart(pulp.HiGHS):
     """``pulp.HiGHS`` that hands HiGHS the variables' initial values as its MIP start and
     runs it in a child process killed at the deadline (:mod:`planner.solve.highs_child`).
@@ -329,7 +353,8 @@ class _HighsWithStart(pulp.HiGHS):
                 start = os.path.join(tmp, "start.npy")
                 np.save(start, np.asarray(values, dtype=np.float64))
             child = subprocess.Popen(
-                [sys.executable, _CHILD, model, json.dumps(options), start, tmp]
+                [sys.executable, _CHILD, model, json.dumps(options), start, tmp],
+                stdin=subprocess.DEVNULL,
             )
             try:
                 child.wait(timeout=float(self.timeLimit) + _grace(float(self.timeLimit)))

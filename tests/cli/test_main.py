@@ -66,3 +66,43 @@ def test_running_out_of_memory_is_one_line(monkeypatch, capsys):
     assert main(["trace", "synth", "--out", "never"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("moeplan: error: not enough memory (Unable to"), err
+
+
+def test_what_the_machine_refuses_is_one_line(tmp_path, capsys):
+    """A legal name that the temporary name makes too long (any OSError: a full or read-only
+    disk alike) was a traceback."""
+    out = tmp_path / ("a" * 250)
+    args = [
+        "trace",
+        "synth",
+        "--out",
+        str(out),
+        "--layers",
+        "1",
+        "--tokens",
+        "100",
+        "--requests",
+        "2",
+    ]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "File name too long" in err[0], err
+    assert not out.exists()
+
+
+def test_interrupts_and_sigterm_say_what_was_kept(monkeypatch, capsys):
+    import planner.cli.main as cli_main
+    import planner.trace.synth as synth
+
+    # typer turns Ctrl-C in a command into Exit(130): it printed a blank line, nothing more
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(synth, "timed_synthesize", interrupted)
+    assert main(["trace", "synth", "--out", "never"]) == 130
+    assert "moeplan: interrupted; no output was half-written" in capsys.readouterr().err
+    monkeypatch.setattr(
+        synth, "timed_synthesize", lambda *a, **k: cli_main._raise_terminated(15, None)
+    )
+    assert main(["trace", "synth", "--out", "never"]) == 143
+    assert "moeplan: terminated; no output was half-written" in capsys.readouterr().err

@@ -247,3 +247,18 @@ def test_ilp_refuses_a_variable_budget_that_would_not_fit_in_memory(small_proble
         solve_layer(small_problem, "ilp", SolverConfig(time_limit=5.0, options=options))
     options = {"ilp": {"max_variables": MAX_VARIABLES}}
     solve_layer(small_problem, "ilp", SolverConfig(time_limit=5.0, options=options))
+
+
+def test_ilp_json_output_is_json(predictor_dir, tmp_path):
+    """HiGHS printed its banner on the real stdout (from its child process, so a test must
+    run moeplan as a process): `solve --method ilp --json` was not JSON."""
+    import subprocess
+    import sys
+
+    opts = json.dumps({"ilp": {"max_variables": 200}})
+    args = ["solve", str(predictor_dir / "pred"), "--ep", "2", "--method", "ilp",
+            "--time-limit", "2", "--out", str(tmp_path / "plan"), "--options", opts, "--json"]  # fmt: skip
+    code = "import sys; from planner.cli.main import main; sys.exit(main(sys.argv[1:]))"
+    run = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["reports"][0]["method"] == "ilp"
