@@ -183,7 +183,7 @@ def compare(
 ) -> None:
     """Solve with each method and compare held-out LAR, balance and time, with the oracle bound."""
     if plot:
-        check_plot_path(plot)
+        check_plot_path(plot, inputs=tuple(filter(None, (predictor, heldout, fitting))))
     names = list(dict.fromkeys(m.strip() for m in methods.split(",") if m.strip()))  # once each
     if not names:
         raise InputError(f"--methods {methods!r} names no method; choose from {', '.join(SOLVERS)}")

@@ -21,7 +21,7 @@ def info(
 ) -> None:
     """Model, layers, experts, top-k, tokens, requests and per-layer load skewness of a trace."""
     if plot:
-        check_plot_path(plot)
+        check_plot_path(plot, inputs=(path,))
     summary = trace_summary(path)
     if plot:
         err_console.print(f"plot: {plot_expert_load(summary, plot)}")

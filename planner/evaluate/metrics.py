@@ -64,8 +64,8 @@ class EvalConfig:
             )
 
         problems = []
-        if not whole(self.batch_tokens, 1):
-            problems.append(f"batch_tokens={self.batch_tokens!r} must be an integer >= 1")
+        if not whole(self.batch_tokens, 1) or self.batch_tokens > 2**40:
+            problems.append(f"batch_tokens={self.batch_tokens!r} must be an integer in [1, 2**40]")
         if not (
             isinstance(self.slack, int | float) and math.isfinite(self.slack) and self.slack >= 1
         ):

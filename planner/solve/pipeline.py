@@ -55,7 +55,6 @@ from typing import Any
 
 import numpy as np
 
-from planner._checks import is_integer
 from planner.errors import InputError
 from planner.predict.ngram import check_table_size, fit_ngram_device_table
 from planner.predict.predictor import Predictor
@@ -120,8 +119,6 @@ class PlanConfig:
         check_method_options(self.options)  # before any layer is solved
         if not 1 <= self.ngram_order <= 3:
             raise InputError(f"ngram_order={self.ngram_order} must be 1, 2 or 3")
-        if is_integer(self.ep_size) and self.ep_size > 0:  # else refused where it is used
-            check_table_size(self.ep_size, self.ngram_order)
         if self.jobs < 1:
             raise InputError(f"jobs={self.jobs} must be at least 1")
         if not (math.isfinite(self.beta) and self.beta >= 1):
@@ -194,6 +191,7 @@ def make_plan(predictor: Predictor, config: PlanConfig, *, progress: bool = True
             f"--ep {e} must divide the {n} experts of {meta.model!r} (and be at most {n}); "
             f"valid: {', '.join(str(d) for d in range(1, n + 1) if n % d == 0)}"
         )
+    check_table_size(e, config.ngram_order)  # after the divisor check: its message comes first
     if config.chain_passes and predictor.transitions is None:
         raise InputError(
             "chain_passes needs n-gram transitions, and this predictor has none "

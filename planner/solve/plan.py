@@ -29,6 +29,7 @@ import json
 import multiprocessing as mp
 import os
 import zipfile
+import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -410,10 +411,12 @@ class Plan:
             if key not in meta or not ok(meta[key]):
                 got = repr(meta[key]) if key in meta else "missing"
                 raise SchemaError(f"{meta_path}: {key} must be {kind} ({got})")
+        if not zipfile.is_zipfile(tables_path):  # np.load would read a bare .npy, or pickles
+            raise SchemaError(f"{tables_path}: not a readable table archive (not an .npz file)")
         try:
             with np.load(tables_path, allow_pickle=False) as tables:
                 arrays = {k: tables[k] for k in tables.files}
-        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:
             raise SchemaError(f"{tables_path}: not a readable table archive ({e})") from None
         for key in ("expert_to_device", "token_to_device", "token_confidence"):
             if key not in arrays:
@@ -434,7 +437,7 @@ _META_FIELDS = (
     ("fingerprint", lambda v: isinstance(v, str), "a string"),
     ("ep_size", is_integer, "an integer"),
     ("method", lambda v: isinstance(v, str), "a string"),
-    ("seed", is_integer, "an integer"),
+    ("seed", lambda v: is_integer(v) and v >= 0, "an integer >= 0"),
     ("config", lambda v: isinstance(v, dict), "a JSON object"),
     ("ngram_order", is_integer, "an integer"),
     ("reports", lambda v: isinstance(v, list), "a list"),

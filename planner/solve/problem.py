@@ -333,8 +333,11 @@ class SolverConfig:
             or self.seed < 0
         ):
             raise InputError(f"seed={self.seed!r} must be a non-negative integer")
-        if self.time_limit is not None and not (self.time_limit > 0):
-            raise InputError(f"time_limit={self.time_limit!r} must be positive seconds")
+        if self.time_limit is not None and not (0 < self.time_limit < math.inf):
+            raise InputError(
+                f"time_limit={self.time_limit!r} must be positive, finite seconds (give none for "
+                "no limit)"
+            )
         if not isinstance(self.options, dict):
             raise InputError(
                 f"options must be a dict of per-method dicts, got {type(self.options).__name__}"

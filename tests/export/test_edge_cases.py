@@ -149,8 +149,8 @@ def _edit_plan(path: Path, edit) -> None:
     "edit, message",
     [
         (lambda m: m.pop("model") and None, "model must be a JSON object (missing)"),
-        (lambda m: m.pop("seed") and None, "seed must be an integer (missing)"),
-        (lambda m: m.update(seed=None), "seed must be an integer (None)"),
+        (lambda m: m.pop("seed") and None, "seed must be an integer >= 0 (missing)"),
+        (lambda m: m.update(seed=None), "seed must be an integer >= 0 (None)"),
         (lambda m: m.update(ngram_order="2"), "ngram_order must be an integer"),
         (lambda m: m.update(reports=[{}, {}]), "lacks numeric local_rate"),
         (lambda m: [1, 2], "not a JSON object"),

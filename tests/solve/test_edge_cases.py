@@ -118,11 +118,21 @@ def test_plan_config_checks_the_options_of_every_method(options: dict, message: 
 def test_an_n_gram_table_too_large_to_fit_is_refused_up_front(ep: int, order: int) -> None:
     """EP 256 at order 3 solved every layer, then asked numpy for 256**4 float64 counts (32
     GiB) and died with a MemoryError traceback; EP 128 at order 3 took 12 GB."""
+    from planner.predict.ngram import check_table_size
+
     with pytest.raises(
         InputError, match=rf"order-{order} n-gram table at EP {ep}.*use n-gram order {order - 1}"
     ):
-        PlanConfig("vanilla", ep_size=ep, ngram_order=order)
-    PlanConfig("vanilla", ep_size=ep, ngram_order=order - 1)  # the order it suggests fits
+        check_table_size(ep, order)  # make_plan's check, before any layer is solved
+    check_table_size(ep, order - 1)  # the order it suggests fits
+
+
+def test_an_ep_size_that_does_not_divide_the_experts_says_so_first(predictor_dir, capsys):
+    """--ep 512 on 16 experts said the n-gram table was too large (use order 1)."""
+    args = ["solve", str(predictor_dir / "pred"), "--ep", "512", "--out", "never"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "--ep 512 must divide the" in err and "n-gram" not in err
 
 
 # Output paths ---------------------------------------------------------------------------------
@@ -262,3 +272,19 @@ def test_ilp_json_output_is_json(predictor_dir, tmp_path):
     run = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["reports"][0]["method"] == "ilp"
+
+
+def test_compare_plot_time_limit_and_batch_size_are_checked_up_front(predictor_dir, capsys):
+    """compare --plot wrote into the predictor or trace directory (evaluate refused it);
+    --time-limit inf wrote "Infinity" into plan.json (not JSON); --batch-tokens 10**20 was
+    an OverflowError traceback."""
+    pred, held = predictor_dir / "pred", predictor_dir / "trace"
+    base = ["compare", str(pred), str(held), "--ep", "2", "--methods", "vanilla"]
+    for plot in (pred / "x.png", held / "x.png"):
+        assert main([*base, "--plot", str(plot)]) == 2
+        assert "reads its input" in capsys.readouterr().err and not plot.exists()
+    assert main([*base, "--batch-tokens", str(10**20)]) == 2
+    assert "batch_tokens" in capsys.readouterr().err
+    args = ["solve", str(pred), "--ep", "2", "--out", "never", "--time-limit", "inf"]
+    assert main(args) == 2
+    assert "must be positive, finite seconds" in capsys.readouterr().err

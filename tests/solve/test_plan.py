@@ -143,7 +143,7 @@ def test_plan_refuses_tables_a_runtime_would_misread() -> None:
     [
         (lambda m: m.pop("fingerprint"), "fingerprint must be a string (missing)"),
         (lambda m: m.update(ep_size="4"), "ep_size must be an integer ('4')"),
-        (lambda m: m.update(seed=True), "seed must be an integer (True)"),
+        (lambda m: m.update(seed=True), "seed must be an integer >= 0 (True)"),
         (lambda m: m.update(config=[]), "config must be a JSON object"),
     ],
 )
@@ -160,4 +160,29 @@ def test_plan_load_refuses_a_garbled_table_archive(tmp_path) -> None:
     path = _plan().save(tmp_path / "plan")
     (path / "tables.npz").write_bytes(b"not a zip archive")
     with pytest.raises(SchemaError, match="not a readable table archive"):
+        Plan.load(path)
+
+
+def test_plan_load_refuses_damaged_compressed_tables_and_a_bare_npy(tmp_path) -> None:
+    """Bytes flipped inside the compressed tables were a zlib.error traceback; a .npy saved
+    as tables.npz a TypeError."""
+    path = _plan().save(tmp_path / "plan")
+    data = bytearray((path / "tables.npz").read_bytes())
+    for i in range(100, min(140, len(data) - 40)):
+        data[i] ^= 0x5A
+    (path / "tables.npz").write_bytes(bytes(data))
+    with pytest.raises(SchemaError, match="not a readable table archive"):
+        Plan.load(path)
+    with open(path / "tables.npz", "wb") as f:
+        np.save(f, np.zeros(3))
+    with pytest.raises(SchemaError, match=r"not a readable table archive \(not an .npz file\)"):
+        Plan.load(path)
+
+
+def test_plan_load_refuses_a_negative_seed(tmp_path) -> None:
+    path = _plan().save(tmp_path / "plan")
+    meta = json.loads((path / "plan.json").read_text())
+    meta["seed"] = -5  # solve --seed -1 is refused; so is a plan claiming one
+    (path / "plan.json").write_text(json.dumps(meta))
+    with pytest.raises(SchemaError, match="seed must be an integer >= 0"):
         Plan.load(path)
