@@ -74,11 +74,19 @@ def solve(
     ep: int = typer.Option(..., "--ep", help="EP size E (devices sharing a layer's experts)."),
     beta: float = typer.Option(1.1, "--beta", help="Token load factor of the per-device cap."),
     seed: int = typer.Option(0, "--seed", help="Seed of every random choice."),
-    jobs: int = typer.Option(1, "--jobs", help="Worker processes solving layers in parallel."),
+    jobs: int = typer.Option(
+        1,
+        "--jobs",
+        help="Worker processes solving layers in parallel. With the n-gram term (the default) "
+        "layers are solved in order within runs of up to 16, so a model of 16 layers or fewer "
+        "gains nothing from more than one.",
+    ),
     time_limit: float = typer.Option(
         None,
         "--time-limit",
-        help="Hard wall-clock seconds per layer. CEO's own budget counts work, not time, so "
+        help="Wall-clock seconds per layer: iterative solvers stop soon after it; the ILP keeps its best "
+        "placement at it, and its solver process is killed at most 5 s + 10% later. CEO's own "
+        "budget counts work, not time, so "
         "the same inputs and seed give the same plan on any machine; a time limit that cuts "
         "a solve makes it depend on the machine's speed.",
     ),

@@ -220,6 +220,25 @@ def _reorder_module_list(experts: nn.ModuleList, slot_to_expert: list[int]) -> N
         experts[slot] = old[expert]
 
 
+def _check_model_shape(tables: Any, config: Any, top_k: int) -> None:
+    """MismatchError when the tables were planned for another top-k or vocabulary than the
+    model's (an L and N that happen to fit do not make it the same model)."""
+    manifest = getattr(tables, "manifest", None)
+    planned = manifest.get("model") if isinstance(manifest, dict) else None
+    planned = planned if isinstance(planned, dict) else {}
+    vocab = getattr(tables, "vocab_size", planned.get("vocab_size"))
+    model_vocab = getattr(config, "vocab_size", None)
+    for what, theirs, ours in (
+        ("top_k", planned.get("top_k"), top_k),
+        ("vocab_size", vocab, model_vocab),
+    ):
+        if is_integer(theirs) and is_integer(ours) and theirs != ours:
+            raise MismatchError(
+                f"the tables were planned for {what}={theirs} but the model has {what}={ours}; "
+                "plan on a trace of this model"
+            )
+
+
 def apply_expert_placement(
     model: nn.Module, tables: Any, moe_layer_indices: Sequence[int] | None = None
 ) -> nn.Module:
@@ -286,6 +305,7 @@ def apply_expert_placement(
         raise MismatchError(
             f"the tables place {n} experts per layer but the model has {num_experts}"
         )
+    _check_model_shape(tables, model.config, ADAPTERS[model_type].top_k(model.config))
     _check_permutation_rows(perm)
     spec = EXPERT_TENSORS[model_type]
     groups = spec.routing_groups(model.config)

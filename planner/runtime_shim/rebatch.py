@@ -280,7 +280,8 @@ def resume(
     shape = (info.num_tokens, shuffled.shape[1])
     _check_out(out, shape, shuffled)
     index = info.token_to_slot.to(shuffled.device)
-    if _use_triton(shuffled, backend) and not _differentiable(shuffled, out):
+    differentiable = _differentiable(shuffled, out)  # refuses out= with grad, either path
+    if _use_triton(shuffled, backend) and not differentiable:
         return kernels.gather_rows(shuffled.contiguous(), index, out, check_index=False)
     if out is None:
         return shuffled.index_select(0, index)

@@ -229,6 +229,13 @@ def _workload_from_trace(
             f"trace has L={meta.num_layers}, N={meta.num_experts} but the tables have "
             f"L={tables.num_layers}, N={tables.num_experts}"
         )
+    manifest = getattr(tables, "manifest", None)
+    planned = manifest.get("fingerprint") if isinstance(manifest, dict) else None
+    if isinstance(planned, str) and planned != meta.fingerprint():
+        raise MismatchError(
+            f"the tables were planned for another model (fingerprint {planned}) than the "
+            f"trace's {meta.model!r} (fingerprint {meta.fingerprint()}: name, L, N, k, V)"
+        )
     e = scorer.ep
     expert_to_device = _np(tables.expert_to_device).astype(np.int64)  # [L, N]
     layer_idx = np.arange(meta.num_layers)[None, :, None]

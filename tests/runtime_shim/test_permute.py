@@ -237,7 +237,14 @@ def test_errors():
     bad[1, 0] = 1
     with pytest.raises(InputError, match="row 1 is not a permutation"):
         apply_expert_placement(fresh_qwen3(), make_tables(bad, 4))
+    # L and N that happen to fit do not make it the same model: another top-k or vocabulary
     model = fresh_qwen3()
+    vocab, k = model.config.vocab_size, model.config.num_experts_per_tok
+    with pytest.raises(MismatchError, match=f"planned for vocab_size={vocab + 1} but"):
+        apply_expert_placement(model, make_tables(ident, 4, vocab_size=vocab + 1))
+    other_k = make_tables(ident, 4, vocab_size=vocab, manifest={"model": {"top_k": k + 1}})
+    with pytest.raises(MismatchError, match=f"planned for top_k={k + 1} but"):
+        apply_expert_placement(model, other_k)
     apply_expert_placement(model, make_tables(ident, 4))
     with pytest.raises(InputError, match="already applied"):
         apply_expert_placement(model, make_tables(ident, 4))

@@ -120,6 +120,8 @@ def test_gradients_flow_through_rebatch_and_resume(backend):
     torch.testing.assert_close(weight.grad, expected)
     with pytest.raises(InputError, match="out= cannot be used with a tensor that requires grad"):
         rebatch(hidden, devices, 4, out=torch.empty(12, 3))
+    with pytest.raises(InputError, match="out= cannot be used with a tensor that requires grad"):
+        resume(shuffled, info, backend=backend, out=torch.empty(6, 3))  # torch's raw error before
     with torch.no_grad():  # no grad recorded: the out= path as before
         out = torch.empty(12, 3)
         assert rebatch(hidden, devices, 4, backend="torch", out=out)[0] is out

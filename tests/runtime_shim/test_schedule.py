@@ -118,6 +118,13 @@ def test_report_on_a_trace_measures_realised_lar(tmp_path):
     # Round-robin [0, 1, 0, 1]: requests 0, 1 local (10), request 2 on device 0 gets 1 of
     # 6, request 3 on device 1 gets 0 of 4 -> 11/20.
     assert rep.lar_round_robin == pytest.approx(11 / 20)
+    # Tables planned for another model (here: another top-k) are refused, though L and N fit.
+    import dataclasses
+
+    other = dataclasses.replace(meta, top_k=3).fingerprint()
+    tables = dataclasses.replace(split_tables(), manifest={"fingerprint": other})
+    with pytest.raises(MismatchError, match="planned for another model"):
+        evaluate_schedule(path, tables, dp_size=2, batch_rows=3)
 
 
 def test_errors():
