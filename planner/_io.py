@@ -40,8 +40,13 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
         if dest.is_dir() and not dest.is_symlink():
             if not tmp.is_dir():
                 raise InputError(f"{dest}: is a directory; a file cannot replace it")
-            # os.replace cannot replace a non-empty directory: swap via a backup name of its
-            # own (a fixed name could be a user's file), renamed onto a fresh empty directory
+            # os.replace cannot replace a non-empty directory. Linux swaps the two in one
+            # step (renameat2 RENAME_EXCHANGE), so there is no moment without ``dest``; the
+            # old directory, now at ``tmp``, is removed below.
+            if _exchange(tmp, dest):
+                return
+            # Elsewhere: via a backup name of its own (a fixed name could be a user's file),
+            # renamed onto a fresh empty directory
             backup = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".old", dir=dest.parent))
             os.replace(dest, backup)
             try:
@@ -59,6 +64,21 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
         elif tmp.exists():
             tmp.unlink()
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap paths ``a`` and ``b`` atomically (Linux renameat2 RENAME_EXCHANGE); False where
+    the call or the filesystem does not support it."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    done = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+    return bool(done)
 
 
 def _umask() -> int:

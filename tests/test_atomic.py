@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -154,3 +156,22 @@ def test_an_artifact_replaces_a_directory_only_if_it_holds_nothing_else(tmp_path
     (plan / "plan.json").write_text("{}")
     (plan / "tables.npz").write_text("")
     assert check_plan_output(plan) == plan
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="renameat2 is Linux's")
+def test_a_directory_is_swapped_in_one_step(tmp_path, monkeypatch):
+    """Two renames (old away, new in) left no output at all if the process was killed between
+    them; on Linux the two directories are exchanged in one call, with no os.replace."""
+    dest = tmp_path / "plan"
+    dest.mkdir()
+    (dest / "plan.json").write_text("old")
+
+    def no_two_step(*args):
+        raise AssertionError("os.replace used to replace a directory")
+
+    monkeypatch.setattr(_io.os, "replace", no_two_step)
+    with atomic_path(dest) as tmp:
+        tmp.mkdir()
+        (tmp / "plan.json").write_text("new")
+    assert (dest / "plan.json").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan"]  # the old one removed
