@@ -14,8 +14,14 @@ from typing import Any
 import numpy as np
 
 from planner._checks import is_finite_number
-from planner.errors import SchemaError
-from planner.export.bundle import Bundle, load_bundle_arrays, save_bundle, verify_bundle
+from planner.errors import InputError, SchemaError
+from planner.export.bundle import (
+    MANIFEST_FILE,
+    Bundle,
+    load_bundle_arrays,
+    save_bundle,
+    verify_bundle,
+)
 from planner.export.engines import EnginePlacement, get_format
 from planner.solve.pipeline import plan_meta
 from planner.solve.plan import PLAN_FILE, Plan
@@ -69,6 +75,11 @@ def load_tables(path: str | os.PathLike) -> Bundle:
     p = Path(path)
     if (p / PLAN_FILE).is_file():
         return bundle_from_plan(Plan.load(p))
+    if p.is_dir() and not (p / MANIFEST_FILE).exists():
+        raise InputError(
+            f"{p}: neither a plan (no {PLAN_FILE}, from `moeplan solve`) nor a bundle (no "
+            f"{MANIFEST_FILE}, from `moeplan export`)"
+        )
     return load_bundle_arrays(p)
 
 

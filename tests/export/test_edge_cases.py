@@ -184,3 +184,14 @@ def test_plan_and_its_bundle_export_the_same_tables(tmp_path):
     got, want = load_bundle_arrays(tmp_path / "bundle"), make_bundle()
     for name, arr in want.tables().items():
         assert np.array_equal(getattr(got, name), arr), name
+
+
+def test_a_directory_that_is_neither_plan_nor_bundle_says_both(tmp_path, capsys):
+    """`export PREDICTOR` said only that manifest.json was missing from a "bundle"."""
+    other = tmp_path / "pred"
+    other.mkdir()
+    (other / "predictor.json").write_text("{}")
+    for args in (["export", str(other), "--out", str(tmp_path / "b")],
+                 ["evaluate", str(other), str(tmp_path)]):  # fmt: skip
+        rc = main(args)
+        _one_line_error(capsys, rc, "neither a plan (no plan.json, from `moeplan solve`) nor a")
