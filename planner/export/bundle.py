@@ -33,6 +33,7 @@ placement, and the sha256 of every file listed in the manifest. Any problem is o
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import operator
@@ -466,7 +467,8 @@ def check_bundle_output(path: str | Path, inputs: tuple = ()) -> Path:
     if (path / MANIFEST_FILE).is_file():
         try:
             listed = json.loads((path / MANIFEST_FILE).read_text()).get("files", {})
-            members += [name for name in listed if isinstance(name, str)]
+            # the names as they are (escaped: a listed "*" must not match every file)
+            members += [glob.escape(name) for name in listed if isinstance(name, str)]
         except (ValueError, AttributeError, RecursionError, OSError):
             pass  # not a bundle's manifest: only the two names a bundle always has
     return check_output(
