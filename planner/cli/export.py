@@ -166,10 +166,11 @@ def evaluate(
     if plot:
         check_plot_path(plot, inputs=(plan, heldout))
     bundle = load_tables(plan)
-    report = evaluate_bundle(bundle, open_trace(heldout), config)
-    if plot and not report["overall"]["tokens"]:
-        err_console.print(f"plot: not drawn, {heldout} holds no tokens", markup=False)
-    elif plot:
+    trace = open_trace(heldout)
+    if not trace.num_rows:  # as compare: every figure would be empty
+        raise InputError(f"held-out trace {heldout} holds no tokens; nothing to evaluate on")
+    report = evaluate_bundle(bundle, trace, config)
+    if plot:
         balanced = report["overall"]["lar_balanced"]
         title = f"{bundle.method}, EP {bundle.ep_size}: balanced LAR {balanced:.3f}"
         err_console.print(f"plot: {plot_evaluation(report, plot, title)}", markup=False)

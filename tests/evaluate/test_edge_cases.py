@@ -116,3 +116,9 @@ def test_compare_on_an_empty_heldout_trace_is_one_line(tmp_path, capsys):
         ["compare", str(tmp_path / "pred"), str(held), "--ep", "2", "--methods", "kmeans,metis"]
     )
     _one_line_error(capsys, rc, "holds no tokens")
+    # evaluate alike (it printed a table of "-" and exited 0)
+    plan = tmp_path / "plan"
+    assert main(["solve", str(tmp_path / "pred"), "--ep", "2", "--method", "vanilla",
+                 "--out", str(plan)]) == 0  # fmt: skip
+    capsys.readouterr()
+    _one_line_error(capsys, main(["evaluate", str(plan), str(held)]), "holds no tokens")
