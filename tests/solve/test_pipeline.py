@@ -367,5 +367,6 @@ def test_evaluate_edges_huge_hidden_size_and_an_empty_trace(pipeline, tmp_path, 
                                    np.zeros((0, meta.num_layers, meta.top_k)))  # fmt: skip
     write_trace(tmp_path / "empty", meta, empty)
     png = tmp_path / "e.png"
-    assert main(["evaluate", str(plan), str(tmp_path / "empty"), "--plot", str(png)]) == 0
-    assert "not drawn" in capsys.readouterr().err and not png.exists()
+    # an empty held-out trace is refused in one line (as compare does), no plot drawn
+    assert main(["evaluate", str(plan), str(tmp_path / "empty"), "--plot", str(png)]) == 2
+    assert "holds no tokens" in capsys.readouterr().err and not png.exists()
