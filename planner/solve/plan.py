@@ -53,12 +53,13 @@ PLAN_FORMAT_VERSION = 1
 
 
 PLAN_FILE = "plan.json"  # marks a plan directory
+PLAN_TABLES_FILE = "tables.npz"
 
 
 def check_plan_output(path: str | Path, inputs: tuple = ()) -> Path:
     """``path`` as a Path if a plan may be written there (:func:`planner._io.check_output`)."""
     return check_output(
-        path, marker=PLAN_FILE, what="plan", inputs=inputs, members=(PLAN_FILE, "tables.npz")
+        path, marker=PLAN_FILE, what="plan", inputs=inputs, members=(PLAN_FILE, PLAN_TABLES_FILE)
     )
 
 
@@ -382,14 +383,14 @@ class Plan:
         check_plan_output(path)
         with atomic_path(path) as tmp:
             tmp.mkdir()
-            (tmp / "tables.npz").write_bytes(buffer.getvalue())
+            (tmp / PLAN_TABLES_FILE).write_bytes(buffer.getvalue())
             (tmp / PLAN_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         return path
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         path = Path(path)
-        meta_path, tables_path = path / PLAN_FILE, path / "tables.npz"
+        meta_path, tables_path = path / PLAN_FILE, path / PLAN_TABLES_FILE
         if not meta_path.is_file() or not tables_path.is_file():
             raise InputError(f"{path} is not a plan directory (plan.json and tables.npz expected)")
         try:
