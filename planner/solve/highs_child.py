@@ -35,9 +35,10 @@ def _save(path: str, **arrays) -> None:
     os.replace(tmp, path)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Be killed when the parent dies (Linux): a moeplan terminated mid-solve must not leave
-    HiGHS running for the rest of its time limit, or longer (it overruns it)."""
+    a solver running for the rest of its time limit, or longer (it overruns it). Also run in
+    CBC's process before it starts (``planner.solve.ilp._CbcWithDeadline``)."""
     try:
         import ctypes
         import signal
@@ -51,7 +52,7 @@ def _die_with_parent() -> None:
 
 
 def main(model: str, options: str, start: str, out_dir: str) -> int:
-    _die_with_parent()
+    die_with_parent()
     h = highspy.Highs()
     settings = json.loads(options)
     h.setOptionValue("output_flag", bool(settings.pop("output_flag", False)))

@@ -57,7 +57,7 @@ side. It also keeps HiGHS near its time limit: under a 10 s limit the example's 
 and the 64-expert EP 32 layer above 12.8 s instead of 76 s.
 
 Solvers: HiGHS through its Python API (``pulp.HiGHS``, needs highspy) or CBC
-(``pulp.PULP_CBC_CMD``). ``lp_path`` (a name ending in ``.lp``) writes the program in LP
+(``pulp.PULP_CBC_CMD``, whose process is killed at the same deadline: ``_CbcWithDeadline``). ``lp_path`` (a name ending in ``.lp``) writes the program in LP
 format before solving; a layer of a model solve writes its own file, the layer's index
 before the suffix (``prog.lp`` -> ``prog.layer3.lp``), so no layer's program replaces
 another's.
@@ -74,10 +74,13 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
 
 import highspy
 import numpy as np
 import pulp
+from pulp.apis import coin_api
 
 from planner._io import atomic_path
 from planner.errors import InfeasibleError, InputError
@@ -393,6 +396,61 @@ class _HighsWithStart(pulp.HiGHS):
         return pulp.LpStatusOptimal, pulp.LpSolutionIntegerFeasible
 
 
+class _CbcWithDeadline(pulp.PULP_CBC_CMD):
+    """``pulp.PULP_CBC_CMD`` whose process is killed at the deadline, as HiGHS's is.
+
+    CBC reads its time limit (``-sec``) only between branch-and-bound nodes: on the
+    example's layer 0 at EP 4 (default ``max_variables``, 5 s limit) it was still in the
+    root node after 110 s, and an interrupt did not stop it either. The deadline is the time
+    limit plus :func:`_grace`; a killed solve writes no solution, so it returns the start
+    (``stopped_at_deadline`` in the ILP's info), or no placement. PuLP's temporary files go
+    to a directory of their own, removed whatever happens.
+    """
+
+    stopped: bool = False
+
+    def actualSolve(self, lp, **kwargs):
+        self.stopped = False
+        deadline = float(self.timeLimit) + _grace(float(self.timeLimit))
+        solver = self
+
+        class Popen(subprocess.Popen):
+            def __init__(self, *args, **popen_kwargs):
+                super().__init__(*args, preexec_fn=highs_child.die_with_parent, **popen_kwargs)
+
+            def wait(self, timeout=None):
+                if timeout is not None:
+                    return super().wait(timeout)
+                try:
+                    return super().wait(deadline)
+                except subprocess.TimeoutExpired:
+                    solver.stopped = True
+                    self.kill()
+                    return super().wait()
+
+        calls = SimpleNamespace(Popen=Popen)  # PuLP's coin_api calls subprocess.Popen only
+        saved_dir = self.tmpDir
+        try:
+            with (
+                tempfile.TemporaryDirectory(prefix="moeplan-cbc-") as tmp,
+                mock.patch.object(coin_api, "subprocess", calls),
+            ):
+                self.tmpDir = tmp
+                try:
+                    return super().actualSolve(lp, **kwargs)
+                except pulp.PulpSolverError:
+                    if not self.stopped:
+                        raise
+        finally:
+            self.tmpDir = saved_dir
+        # killed at the deadline: the variables still hold the start, if one was given
+        if all(var.varValue is not None for var in lp.variables()):
+            lp.assignStatus(pulp.LpStatusNotSolved, pulp.LpSolutionIntegerFeasible)
+        else:
+            lp.assignStatus(pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound)
+        return lp.status
+
+
 def _grace(time_limit: float) -> float:
     """Seconds past the time limit before the HiGHS process is killed: HiGHS stops by itself
     within about 2 s of the limit on most programs (module doc)."""
@@ -409,7 +467,7 @@ def _make_solver(name: str, time_limit: float, gap_rel: float, msg: bool, *, pre
             presolve="on" if presolve else "off",
         )
     elif name == "cbc":
-        solver = pulp.PULP_CBC_CMD(
+        solver = _CbcWithDeadline(
             msg=msg, timeLimit=time_limit, gapRel=gap_rel, threads=1, warmStart=True
         )
     else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import tempfile
 import time
 
 import numpy as np
@@ -282,6 +283,44 @@ def test_ilp_starts_from_a_feasible_placement_and_never_ends_below_it() -> None:
         problem, "ilp", SolverConfig(time_limit=5.0, options={"ilp": {"start": False}})
     )
     assert not cold.info["start"]
+
+
+def test_cbc_is_stopped_at_its_deadline_too(tmp_path, monkeypatch) -> None:
+    """CBC reads its time limit only between nodes (the example's layer 0 at EP 4 was still
+    in its root node 110 s into a 5 s limit): its process is killed at the deadline as
+    HiGHS's is, the start is kept, and PuLP's temporary files go with it."""
+    from planner.solve import ilp
+
+    hang = tmp_path / "cbc"
+    hang.write_text("#!/bin/sh\nexec sleep 600\n")
+    hang.chmod(0o755)
+    make = ilp._make_solver
+
+    def stand_in(*args, **kwargs):
+        solver = make(*args, **kwargs)
+        solver.path = str(hang)
+        return solver
+
+    monkeypatch.setattr(ilp, "_make_solver", stand_in)
+    monkeypatch.setattr(ilp, "_grace", lambda limit: 0.5)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    problem = random_problem(300, 16, 4, top_k=2, seed=3)
+    x, t = ilp._start(problem)
+    started = time.perf_counter()
+    p = solve_layer(
+        problem, "ilp", SolverConfig(time_limit=1.0, options={"ilp": {"solver": "cbc"}})
+    )
+    assert time.perf_counter() - started < 30
+    assert p.info["stopped_at_deadline"] and p.info["status"] == "feasible (time limit)"
+    assert p.objective >= objective(problem, device_gains(problem, x), t) - 1e-6
+    assert np.bincount(p.expert_to_device, minlength=4).tolist() == [4] * 4
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["cbc"]  # no pulp files left
+    with pytest.raises(InfeasibleError, match="found no placement"):
+        solve_layer(
+            problem,
+            "ilp",
+            SolverConfig(time_limit=1.0, options={"ilp": {"solver": "cbc", "start": False}}),
+        )
 
 
 def test_ilp_is_stopped_at_its_deadline_and_keeps_its_start(tmp_path, monkeypatch) -> None:
