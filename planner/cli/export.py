@@ -169,7 +169,7 @@ def evaluate(
     trace = open_trace(heldout)
     if not trace.num_rows:  # as compare: every figure would be empty
         raise InputError(f"held-out trace {heldout} holds no tokens; nothing to evaluate on")
-    report = evaluate_bundle(bundle, trace, config)
+    report = evaluate_bundle(bundle, trace, config, progress=not as_json)
     if plot:
         balanced = report["overall"]["lar_balanced"]
         title = f"{bundle.method}, EP {bundle.ep_size}: balanced LAR {balanced:.3f}"

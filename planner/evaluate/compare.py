@@ -93,13 +93,13 @@ def compare_methods(
         plan = make_plan(predictor, cfg, progress=progress)
         seconds = time.perf_counter() - t0
         bundle = bundle_from_plan(plan)
-        report = evaluate_bundle(bundle, heldout, eval_config)
+        report = evaluate_bundle(bundle, heldout, eval_config, progress=progress)
         ov = report["overall"]
         bound, vanilla = ov["oracle_bound"], ov["lar_vanilla"]
         per_request[method] = np.asarray(report["per_request"]["local_balanced"], np.float64)
         in_sample = {}
         if fitting is not None:
-            fit_report = evaluate_bundle(bundle, fitting, eval_config)
+            fit_report = evaluate_bundle(bundle, fitting, eval_config, progress=progress)
             in_sample = {"lar_balanced_fitting": fit_report["overall"]["lar_balanced"]}
         rows.append(
             {

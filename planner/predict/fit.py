@@ -13,8 +13,6 @@ thinning, or evaluated across domains (see :mod:`planner.predict.split`).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from planner._checks import is_integer
+from planner._progress import progress_bar
 from planner.errors import InputError
 from planner.predict.affinity import TokenExpertAffinity, load_embeddings
 from planner.predict.batches import BATCH_TOKENS, BatchMixAccumulator
@@ -184,7 +183,7 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
     distribution = DistributionPredictor(config.distribution_momentum)
     fit_tokens = 0
     t0 = time.perf_counter()
-    with _progress(config.progress, "fitting", trace.num_rows) as advance:
+    with progress_bar(config.progress, "fitting", trace.num_rows) as advance:
         for batch in trace.iter_batches(config.batch_rows, weights=False):
             advance(len(batch))
             if split is not None:
@@ -241,7 +240,7 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
             affinity, distribution, counts, trans, neural, config.ep_size, config.ngram_order
         )
         evaluator = TraceEvaluator(parts)
-        with _progress(config.progress, "scoring held-out", trace.num_rows) as advance:
+        with progress_bar(config.progress, "scoring held-out", trace.num_rows) as advance:
             for batch in trace.iter_batches(config.batch_rows, weights=False):
                 advance(len(batch))
                 held = batch.select(split.heldout_mask(batch.request_id))
@@ -315,16 +314,3 @@ def _fit_counts(path: Path, config: FitConfig) -> FitResult:
         report = {"split": split, **evaluate_counts(parts, heldout)}
     predictor = Predictor(fit.meta, affinity, distribution, None, neural, fit_info, report)
     return FitResult(predictor, report)
-
-
-@contextmanager
-def _progress(enabled: bool, what: str, total: int) -> Iterator:
-    if not enabled:
-        yield lambda n: None
-        return
-    from rich.console import Console
-    from rich.progress import Progress
-
-    with Progress(console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task(what, total=total)
-        yield lambda n: bar.advance(task, n)

@@ -34,12 +34,11 @@ l-1's top-1 expert.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +47,7 @@ import pyarrow.parquet as pq
 
 from planner._checks import is_integer
 from planner._io import atomic_path
+from planner._progress import progress_bar
 from planner.errors import InputError
 from planner.trace.io import TraceBatch, check_trace_output, open_trace
 from planner.trace.schema import TraceMeta
@@ -550,7 +550,10 @@ def synthesize(
     single = check_trace_output(out)
     gen = SynthGenerator(config)
     batch_rows = min(65536, rows_per_part)
-    with _progress_bar(progress, config.num_tokens) as advance, atomic_path(out) as tmp:
+    with (
+        progress_bar(progress, "synthesising tokens", config.num_tokens) as advance,
+        atomic_path(out) as tmp,
+    ):
         if not single:
             tmp.mkdir()
         writer: pq.ParquetWriter | None = None
@@ -572,20 +575,6 @@ def synthesize(
                 writer.close()
     open_trace(out)  # the result must read back as a v1 trace
     return out
-
-
-@contextlib.contextmanager
-def _progress_bar(enabled: bool, total: int) -> Iterator[Callable[[int], None]]:
-    """Yield ``advance(rows)``; draws a rich bar on stderr when ``enabled``."""
-    if not enabled:
-        yield lambda n: None
-        return
-    from rich.console import Console
-    from rich.progress import Progress
-
-    with Progress(console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("synthesising tokens", total=total)
-        yield lambda n: bar.advance(task, n)
 
 
 def synth_summary(path: str | Path, seconds: float | None = None) -> dict:

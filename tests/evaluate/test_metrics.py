@@ -71,12 +71,21 @@ def _reference(bundle: Bundle, batch, ep: int, order: int):
 
 
 @pytest.mark.parametrize("ep, order", [(2, 1), (4, 2)])
-def test_matches_reference_loop(tmp_path, ep, order):
+def test_matches_reference_loop(tmp_path, monkeypatch, ep, order):
+    from planner.evaluate import metrics
+
+    monkeypatch.setattr(metrics, "_COUNT_BUFFER", 100)  # the oracle's counts merge many times
     meta = TraceMeta("test/m", num_layers=4, num_experts=8, top_k=2, vocab_size=30)
     batch = random_batch(meta, 300, seed=ep, requests=5)
     path = write_trace(tmp_path / "t.parquet", meta, batch)
     bundle = _random_bundle(meta, ep, order, seed=1)
     report = evaluate_bundle(bundle, open_trace(path), EvalConfig(batch_tokens=64))
+    hosted = total = 0  # the oracle bound: each token's N/E most routed experts, per layer
+    for layer in range(4):
+        for tok in np.unique(batch.token_id[batch.token_id >= 0]):
+            c = np.bincount(batch.experts[batch.token_id == tok, layer].ravel(), minlength=8)
+            hosted, total = hosted + np.sort(c)[::-1][: 8 // ep].sum(), total + c.sum()
+    assert report["overall"]["oracle_bound"] == pytest.approx(hosted / total, abs=1e-6)
     local, lar_ngram, remote_vanilla = _reference(bundle, batch, ep, order)
     occ = 300 * 4 * 2
     ov = report["overall"]
