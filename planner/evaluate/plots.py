@@ -64,8 +64,10 @@ def plot_comparison(result: dict, dest: str | os.PathLike, title: str = "") -> P
     for bar, r in zip(bars, rows, strict=True):
         ratio = r.get("ratio_to_best_baseline")
         if ratio is not None:
-            ax.annotate(f"{ratio:.3f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        ha="center", va="bottom", fontsize=8, xytext=(0, 2),
+            # above the bar and its tick (the LAR before the cap), whichever is higher
+            top = max(bar.get_height(), r["lar"])
+            ax.annotate(f"{ratio:.3f}x", (bar.get_x() + bar.get_width() / 2, top),
+                        ha="center", va="bottom", fontsize=8, xytext=(0, 4),
                         textcoords="offset points")  # fmt: skip
     ax.axhline(result["oracle_bound"], color="#55a868", ls="--", label="per-token oracle bound")
     ax.axhline(result["lar_vanilla"], color="#c44e52", ls=":", label="positional vanilla")
