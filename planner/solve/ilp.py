@@ -57,10 +57,10 @@ side. It also keeps HiGHS near its time limit: under a 10 s limit the example's 
 and the 64-expert EP 32 layer above 12.8 s instead of 76 s.
 
 Solvers: HiGHS through its Python API (``pulp.HiGHS``, needs highspy) or CBC
-(``pulp.PULP_CBC_CMD``, whose process is killed at the same deadline: ``_CbcWithDeadline``). ``lp_path`` (a name ending in ``.lp``) writes the program in LP
-format before solving; a layer of a model solve writes its own file, the layer's index
-before the suffix (``prog.lp`` -> ``prog.layer3.lp``), so no layer's program replaces
-another's.
+(``pulp.PULP_CBC_CMD``, whose process is killed at the same deadline: ``_CbcWithDeadline``).
+``lp_path`` (a name ending in ``.lp``) writes the program in LP format before solving; a
+layer of a model solve writes its own file, the layer's index before the suffix (``prog.lp``
+-> ``prog.layer3.lp``), so no layer's program replaces another's.
 """
 
 from __future__ import annotations
