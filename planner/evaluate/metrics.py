@@ -86,7 +86,14 @@ class _Acc:
     """Per-layer running sums over the held-out trace."""
 
     def __init__(
-        self, num_layers: int, num_experts: int, ep_size: int, vocab: int, lengths: dict[int, int]
+        self,
+        num_layers: int,
+        num_experts: int,
+        ep_size: int,
+        vocab: int,
+        lengths: dict[int, int],
+        *,
+        count_oracle: bool = True,
     ):
         z = lambda *s: np.zeros(s, np.float64)  # noqa: E731
         self.request_ids = np.fromiter(sorted(lengths), np.int64, len(lengths))
@@ -104,12 +111,15 @@ class _Acc:
         self.counts = [sp.csr_array((vocab, num_experts), dtype=np.int64) for _ in range(big_l)]
         self._pending: list[tuple[np.ndarray, np.ndarray]] = []  # (token ids, experts)
         self._pending_keys = 0
+        self.count_oracle = count_oracle
 
     def add_counts(self, token_id: np.ndarray, experts: np.ndarray) -> None:
         """Count each (layer, token, routed expert) of the oracle bound: ``token_id`` [T]
         known ids, ``experts`` [T, L, k]. Batches are held until ``_COUNT_BUFFER`` keys and
         then added at once: adding one sparse matrix per batch re-copied all counted so far
         (on 1M DeepSeek-V3-shaped tokens, half of the evaluation's time)."""
+        if not self.count_oracle:
+            return
         self._pending.append((token_id, experts))
         self._pending_keys += experts.size
         if self._pending_keys >= _COUNT_BUFFER:
@@ -208,10 +218,16 @@ def _chunks(trace: Trace, size: int):
 
 
 def evaluate_bundle(
-    bundle: Bundle, trace: Trace, config: EvalConfig | None = None, *, progress: bool = False
+    bundle: Bundle,
+    trace: Trace,
+    config: EvalConfig | None = None,
+    *,
+    progress: bool = False,
+    oracle: bool = True,
 ) -> dict:
     """All DESIGN.md metrics of ``bundle`` on the held-out ``trace`` (``progress``: a bar on
-    stderr, one step per token).
+    stderr, one step per token; ``oracle=False`` skips the oracle bound, which depends on
+    the trace alone, and reports it as None: ``compare`` counts it once, not per plan).
 
     Returns:
         ``{"overall": {...}, "per_layer": [{...} for each MoE layer], "config": {...}}``;
@@ -222,7 +238,7 @@ def evaluate_bundle(
     check_compatible(bundle, meta, "trace")
     big_l, n, k, e = meta.num_layers, meta.num_experts, meta.top_k, bundle.ep_size
     spans = _RequestSpans(trace)
-    acc = _Acc(big_l, n, e, meta.vocab_size, spans.lengths())
+    acc = _Acc(big_l, n, e, meta.vocab_size, spans.lengths(), count_oracle=oracle)
     with progress_bar(progress, "evaluating", trace.num_rows) as advance:
         for chunk in _chunks(trace, cfg.batch_tokens):
             _evaluate_chunk(chunk, bundle, cfg, spans, acc)
@@ -310,7 +326,9 @@ def _imbalance(load: np.ndarray) -> np.ndarray:
 
 def _report(acc: _Acc, bundle: Bundle, cfg: EvalConfig, k: int, per_device: int) -> dict:
     occ = acc.occurrences * k
-    oracle = np.array([_oracle(c, per_device) for c in acc.counts])  # [L, 2]
+    oracle = np.full((len(acc.counts), 2), np.nan)  # [L, 2]; NaN reports as None
+    if acc.count_oracle:
+        oracle = np.array([_oracle(c, per_device) for c in acc.counts])
     # Every rate as (numerator, denominator) per layer: per-layer rows divide them, the
     # overall figure divides their sums (occurrence-weighted).
     ratios = {

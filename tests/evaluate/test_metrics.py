@@ -86,6 +86,15 @@ def test_matches_reference_loop(tmp_path, monkeypatch, ep, order):
             c = np.bincount(batch.experts[batch.token_id == tok, layer].ravel(), minlength=8)
             hosted, total = hosted + np.sort(c)[::-1][: 8 // ep].sum(), total + c.sum()
     assert report["overall"]["oracle_bound"] == pytest.approx(hosted / total, abs=1e-6)
+    # without the oracle (compare counts it once per trace): the same figures, no bound
+    plain = evaluate_bundle(bundle, open_trace(path), EvalConfig(batch_tokens=64), oracle=False)
+    assert plain["overall"]["oracle_bound"] is None
+    assert all(row["oracle_bound"] is None for row in plain["per_layer"])
+    for part in ("overall", "per_layer"):
+        strip = lambda r: {k: v for k, v in r.items() if k != "oracle_bound"}  # noqa: E731
+        rows = [report[part]] if part == "overall" else report[part]
+        again = [plain[part]] if part == "overall" else plain[part]
+        assert [strip(r) for r in again] == [strip(r) for r in rows]
     local, lar_ngram, remote_vanilla = _reference(bundle, batch, ep, order)
     occ = 300 * 4 * 2
     ov = report["overall"]
