@@ -239,7 +239,7 @@ def evaluate_bundle(
     big_l, n, k, e = meta.num_layers, meta.num_experts, meta.top_k, bundle.ep_size
     spans = _RequestSpans(trace)
     acc = _Acc(big_l, n, e, meta.vocab_size, spans.lengths(), count_oracle=oracle)
-    with progress_bar(progress, "evaluating", trace.num_rows) as advance:
+    with progress_bar(progress, "evaluating", trace.num_rows, unit="tokens") as advance:
         for chunk in _chunks(trace, cfg.batch_tokens):
             _evaluate_chunk(chunk, bundle, cfg, spans, acc)
             advance(len(chunk))

@@ -183,7 +183,7 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
     distribution = DistributionPredictor(config.distribution_momentum)
     fit_tokens = 0
     t0 = time.perf_counter()
-    with progress_bar(config.progress, "fitting", trace.num_rows) as advance:
+    with progress_bar(config.progress, "fitting", trace.num_rows, unit="tokens") as advance:
         for batch in trace.iter_batches(config.batch_rows, weights=False):
             advance(len(batch))
             if split is not None:
@@ -240,7 +240,9 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
             affinity, distribution, counts, trans, neural, config.ep_size, config.ngram_order
         )
         evaluator = TraceEvaluator(parts)
-        with progress_bar(config.progress, "scoring held-out", trace.num_rows) as advance:
+        with progress_bar(
+            config.progress, "scoring held-out", trace.num_rows, unit="tokens"
+        ) as advance:
             for batch in trace.iter_batches(config.batch_rows, weights=False):
                 advance(len(batch))
                 held = batch.select(split.heldout_mask(batch.request_id))

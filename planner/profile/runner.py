@@ -36,15 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 from rich.table import Table
 
 from planner._io import (
@@ -54,6 +45,7 @@ from planner._io import (
     sha256_file,
     write_json_atomic,
 )
+from planner._progress import progress_bar
 from planner.errors import InputError, ModelError
 from planner.profile.checkpoint import (
     DTYPES,
@@ -486,7 +478,9 @@ def profile_model(
                 acc.add(done_batch)
         t0 = time.perf_counter()
         tokens, parts = 0, 0
-        with _progress_bar(progress, len(todo)) as (bar, task):
+        with progress_bar(
+            progress and bool(todo), "profiling", len(todo), unit="prompts"
+        ) as advance:
             for start in range(0, len(todo), config.prompts_per_part):
                 chunk = todo[start : start + config.prompts_per_part]
                 batch = session.profile(chunk)
@@ -495,9 +489,8 @@ def profile_model(
                     acc.add(batch)
                     tokens += len(batch)
                     parts += 1
-                if bar is not None:
-                    rate = tokens / max(time.perf_counter() - t0, 1e-9)
-                    bar.update(task, advance=len(chunk), tokens=tokens, rate=rate)
+                rate = tokens / max(time.perf_counter() - t0, 1e-9)
+                advance(len(chunk), f"{tokens} tokens  {rate:.0f} tok/s")
         seconds = time.perf_counter() - t0
         write_json_atomic(out / SETTINGS_FILE, settings | {"finished": True})
         return ProfileResult(
@@ -618,22 +611,3 @@ def save_embeddings(model: Any, dest: Path, dtype: str, meta: TraceMeta) -> Path
     with atomic_path(dest) as tmp:
         save_file({EMBEDDINGS_TENSOR: tensor}, str(tmp), metadata=metadata)
     return dest
-
-
-@contextlib.contextmanager
-def _progress_bar(enabled: bool, total: int) -> Iterator[tuple[Progress | None, Any]]:
-    """A rich progress bar on stderr over prompts, or (None, None) when disabled."""
-    if not enabled or total == 0:
-        yield None, None
-        return
-    bar = Progress(
-        TextColumn("profiling"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("prompts  {task.fields[tokens]} tokens  {task.fields[rate]:.0f} tok/s"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-    )
-    with bar:
-        yield bar, bar.add_task("profile", total=total, tokens=0, rate=0.0)

@@ -40,6 +40,7 @@ import numpy as np
 
 from planner._checks import is_integer
 from planner._io import atomic_path, check_output
+from planner._progress import progress_bar
 from planner.errors import InputError, MismatchError, SchemaError
 from planner.predict.ngram import MAX_ORDER
 from planner.solve.ceo import model_layer_effort
@@ -138,7 +139,7 @@ def solve_model(
         results[layer] = placement
         placed[layer] = placement.expert_to_device
 
-    with _progress(progress, num_layers, method) as advance:
+    with progress_bar(progress, f"solve ({method})", num_layers, unit="layers") as advance:
         if jobs == 1 or len(runs) == 1:  # one run: its layers can only go in order
             for run in runs:
                 for pos, layer in enumerate(run):
@@ -163,7 +164,9 @@ def solve_model(
                             pending[pool.submit(_solve_one, args)] = (r, pos + 1, args[0])
     placements = [r for r in results if r is not None]
     if ngram_term is not None and chain_passes > 0:
-        with _progress(progress, num_layers, f"{method}, chain polish") as advance:
+        with progress_bar(
+            progress, f"solve ({method}, chain polish)", num_layers, unit="layers"
+        ) as advance:
             # Runs are polished independently (a run's terms read only its own layers).
             tasks = [
                 _polish_task(problems, placements, ngram_term, run, chain_passes) for run in runs
@@ -222,38 +225,6 @@ def _polish_task(problems, placements, term, run, passes) -> tuple:
 def _polish_run(args: tuple) -> dict[int, LayerPlacement]:
     problems, placements, term, run, passes = args
     return chain_polish(problems, placements, term, run, passes=passes)
-
-
-class _progress:
-    """A rich progress bar on stderr (or nothing); yields an ``advance()`` callable."""
-
-    def __init__(self, enabled: bool, total: int, method: str):
-        self.enabled, self.total, self.method = enabled, total, method
-        self.bar = None
-
-    def __enter__(self):
-        if not self.enabled:
-            return lambda: None
-        from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-        )
-
-        self.bar = Progress(
-            TextColumn(f"solve ({self.method})"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            console=Console(stderr=True), transient=True,
-        )  # fmt: skip
-        self.bar.start()
-        task = self.bar.add_task("layers", total=self.total)
-        return lambda: self.bar.advance(task)
-
-    def __exit__(self, *exc) -> None:
-        if self.bar is not None:
-            self.bar.stop()
 
 
 @dataclass(frozen=True, eq=False)

@@ -551,7 +551,7 @@ def synthesize(
     gen = SynthGenerator(config)
     batch_rows = min(65536, rows_per_part)
     with (
-        progress_bar(progress, "synthesising tokens", config.num_tokens) as advance,
+        progress_bar(progress, "synthesising", config.num_tokens, unit="tokens") as advance,
         atomic_path(out) as tmp,
     ):
         if not single:
