@@ -32,6 +32,8 @@ traces of other shapes may look like: ``--sources synth-mixtral,synth-gptoss,syn
 ``--ceo-options '{"batch_aware": false}'`` measures a CEO switch's effect (the same cases,
 with and without it). ``--chain-passes 2`` gives every method the chain polish
 (:mod:`planner.solve.chain`), the strongest baselines we know how to build.
+``--expert-beta 1.25`` caps every method's expert load (``moeplan solve --expert-beta``);
+each case also records every method's held-out expert-load imbalance.
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ def run_case(
     chain_passes: int = 0,
     ngram_defer: bool = True,
     heldout_domain: str | None = None,
+    expert_beta: float | None = None,
 ) -> dict:
     """One case: split ``trace`` (50/50 by request with ``seed``, or ``heldout_domain`` held
     out whole), fit on the fitting side, compare every method on the held-out side."""
@@ -135,6 +138,7 @@ def run_case(
             options={"ceo": ceo_options},
             chain_passes=chain_passes,
             ngram_defer=ngram_defer,
+            expert_beta=expert_beta,
         ),  # fmt: skip
         fitting=open_trace(fitting),
     )
@@ -150,6 +154,7 @@ def run_case(
         "ceo_over_best_baseline_fitting": fit_lar["ceo"] / max(fit_lar[m] for m in BASELINES),
         "lar_token": {m: r["lar_token"] for m, r in rows.items()},
         "lar_ngram": {m: r["lar_ngram"] for m, r in rows.items()},
+        "expert_load_imbalance": {m: r["expert_load_imbalance"] for m, r in rows.items()},
         "best_baseline": best,
         "ceo_over_best_baseline": rows["ceo"]["lar_balanced"] / rows[best]["lar_balanced"],
         "ceo_over_best_baseline_ci90": rows["ceo"]["ratio_ci90"],
@@ -174,6 +179,12 @@ def main(argv=None) -> int:
         "--no-ngram-defer",
         action="store_true",
         help="keep the fitted n-gram confidences (PlanConfig.ngram_defer off)",
+    )
+    ap.add_argument(
+        "--expert-beta",
+        type=float,
+        default=None,
+        help="cap every method's expert load (PlanConfig.expert_beta; default: none)",
     )
     ap.add_argument(
         "--split",
@@ -212,6 +223,7 @@ def main(argv=None) -> int:
                                 args.chain_passes,
                                 not args.no_ngram_defer,
                                 domain,
+                                args.expert_beta,
                             ),
                         }
                         cases.append(case)
@@ -235,6 +247,7 @@ def main(argv=None) -> int:
             "chain_passes": args.chain_passes,
             "ngram_defer": not args.no_ngram_defer,
             "split": args.split,
+            "expert_beta": args.expert_beta,
             "ceo_over_best_baseline_min": min(ratios),
             "ceo_over_best_baseline_mean": sum(ratios) / len(ratios),
             "ceo_losses": [

@@ -115,6 +115,13 @@ def solve(
         "fitted token shrinkage discounts, so that the n-gram table overrides only tokens "
         "the token table knows little of (--no-ngram-defer: the paper's table).",
     ),
+    expert_beta: float = typer.Option(
+        None,
+        "--expert-beta",
+        help="Cap each device's expert load (the routed activations its experts process) at "
+        "this multiple of the mean, by expert swaps after the solver (e.g. 1.25; default: "
+        "unbounded). Co-activated hot experts grouped for locality load their device.",
+    ),
     options: str = typer.Option(None, "--options", help="Per-method solver options as JSON."),
     as_json: bool = typer.Option(False, "--json", help="Print the per-layer reports as JSON."),
 ) -> None:
@@ -125,7 +132,7 @@ def solve(
     pred = load_predictor(predictor)
     config = PlanConfig(
         method, ep, beta, seed, jobs, time_limit, ngram_order, opts, ngram_weight,
-        chain_passes, ngram_defer,
+        chain_passes, ngram_defer, expert_beta,
     )  # fmt: skip
     plan = make_plan(pred, config, progress=not as_json)
     plan.save(out)
@@ -135,7 +142,14 @@ def solve(
     table = Table(
         title=f"plan {out}: {method}, EP {ep}, beta {beta}, seed {seed}", title_justify="left"
     )
-    for head in ("layer", "local rate (fit)", "token imbalance", "seconds", "info"):
+    for head in (
+        "layer",
+        "local rate (fit)",
+        "token imbalance",
+        "expert imbalance",
+        "seconds",
+        "info",
+    ):
         table.add_column(head, justify="right" if head != "info" else "left")
     for layer, r in enumerate(plan.reports):
         info = ", ".join(f"{k}={v}" for k, v in r["info"].items() if not isinstance(v, list | dict))
@@ -143,6 +157,7 @@ def solve(
             str(pred.meta.moe_layer_indices[layer]),
             f"{r['local_rate']:.3f}",
             f"{r['token_imbalance']:.3f}",
+            f"{r['expert_imbalance']:.3f}",
             f"{r['seconds']:.2f}",
             info[:60],
         )
@@ -176,6 +191,9 @@ def compare(
     ngram_defer: bool = typer.Option(
         True, "--ngram-defer/--no-ngram-defer", help="As in `moeplan solve`."
     ),
+    expert_beta: float = typer.Option(
+        None, "--expert-beta", help="As in `moeplan solve`; given to every method but vanilla."
+    ),
     options: str = typer.Option(None, "--options", help="Per-method solver options as JSON."),
     fitting: str = typer.Option(
         None,
@@ -207,7 +225,7 @@ def compare(
     fitting_trace = None if fitting is None else open_trace(fitting)
     config = PlanConfig(
         names[0], ep, beta, seed, jobs, time_limit, ngram_order, opts, ngram_weight,
-        chain_passes, ngram_defer,
+        chain_passes, ngram_defer, expert_beta,
     )  # fmt: skip
     result = compare_methods(
         pred,

@@ -59,6 +59,7 @@ from planner.errors import InputError
 from planner.predict.ngram import check_table_size, fit_ngram_device_table
 from planner.predict.predictor import Predictor
 from planner.predict.reliability import discounted_share, shrink_confidence
+from planner.solve.expert_balance import cap_expert_load, check_expert_beta, expert_imbalance
 from planner.solve.metrics import token_table
 from planner.solve.ngram_term import DEFAULT_WEIGHT, NgramTerm
 from planner.solve.plan import Plan, solve_model
@@ -100,6 +101,10 @@ class PlanConfig:
             token table knows little of (module doc). False keeps the fitted confidences
             (the paper's table); no effect when the predictor has no token shrinkage, nor
             for ``vanilla``, whose token table is dealt out, not solved.
+        expert_beta: cap on each device's expert load (routed activations its experts
+            process) as a multiple of the mean, applied after the solver by expert swaps
+            (:mod:`planner.solve.expert_balance`), for any method but ``vanilla``; None
+            (the default) leaves it unbounded.
     """
 
     method: str = "ceo"
@@ -113,8 +118,10 @@ class PlanConfig:
     ngram_weight: float = DEFAULT_WEIGHT
     chain_passes: int = 0
     ngram_defer: bool = True
+    expert_beta: float | None = None
 
     def __post_init__(self) -> None:
+        check_expert_beta(self.expert_beta)
         get_solver(self.method)
         check_method_options(self.options)  # before any layer is solved
         if not 1 <= self.ngram_order <= 3:
@@ -218,6 +225,11 @@ def make_plan(predictor: Predictor, config: PlanConfig, *, progress: bool = True
         problems, config.method, config.solver_config(), jobs=config.jobs, progress=progress,
         ngram_term=term, chain_passes=config.chain_passes if solved else 0,
     )  # fmt: skip
+    if config.expert_beta is not None and solved:
+        placements = [
+            cap_expert_load(p, q, config.expert_beta)
+            for p, q in zip(problems, placements, strict=True)
+        ]
     tables = [vocabulary_table(predictor, p, q) for p, q in zip(problems, placements, strict=True)]
     expert_to_device = np.stack([q.expert_to_device for q in placements])
     ngram_dev = ngram_conf = None
@@ -228,7 +240,10 @@ def make_plan(predictor: Predictor, config: PlanConfig, *, progress: bool = True
         ngram_dev, ngram_conf = ngram.to_device, ngram.confidence
         if config.ngram_defer and unreliable is not None and solved:
             ngram_conf = defer_ngram_confidence(ngram_conf, unreliable)
-    reports = [q.report() for q in placements]
+    reports = [
+        q.report() | {"expert_imbalance": expert_imbalance(p, q.expert_to_device)}
+        for p, q in zip(problems, placements, strict=True)
+    ]
     shrinkage = predictor.token_shrinkage
     config_json = asdict(config) | {
         "seconds": round(time.perf_counter() - t0, 3),

@@ -1,0 +1,201 @@
+"""An optional cap on each device's expert load, applied after any solver.
+
+The solvers balance the *tokens* each device receives (β, :mod:`planner.solve.problem`),
+which is the attention side's work. The MoE side's work on a device is the routed
+activations its experts process, from every token wherever it sits: the *expert load*,
+``sum_{k on d} sum_j W[j, k]``. Grouping experts that the same tokens use keeps activations
+local, and where those experts are also the hot ones it loads their device: on synthetic
+DeepSeek-V3-shaped traces CEO's plans reach an expert-load imbalance (max device / mean) of
+2.0 at EP 8 (``benchmarks/RESULTS.md``). Hot experts that are co-activated are a real
+pattern, and a device doing twice the mean expert work is the MoE layer's straggler.
+
+:func:`cap_expert_load` bounds it: while some device's expert load is above ``expert_beta``
+times the mean, it swaps one of that device's experts for a lighter one elsewhere, choosing
+among the swaps that bring the device's load down without taking the other device above
+the cap the one that loses the fewest local activations per unit of load moved (tokens held
+where they are, so each swap's cost is exact: ``M[d', p] - M[d, p] + M[d, q] - M[d', q]``
+with ``M`` = :func:`planner.solve.common.expert_scores`). Where no swap can bring the most
+loaded device under the cap (one expert per device, or one expert hotter than the cap by
+itself), it stops at the lowest maximum it reached and says so in the report. Then a polish
+wins back locality: the tokens are assigned again to the new placement (the shared
+assignment), and best-improvement swaps that keep every device under the cap (or that
+lowest maximum) follow, twice. Expert loads do not depend on where tokens go, so the cap
+holds whatever the assignment does. The swaps score a placement on the token rows alone
+(not the n-gram term nor the per-batch cap that CEO's search also weighs).
+
+Only token rows count towards the load (``token_freq > 0``; the n-gram term's load-free
+context rows stand for the same occurrences again). It is a post-step shared by every
+method (``PlanConfig.expert_beta``), as the token balance is, so the comparison stays fair;
+MoE-GPS's other remedy, duplicating hot experts, changes the deployment's shape and is not
+done here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from planner.errors import InputError
+from planner.solve.common import assign_for_problem, device_gains, expert_scores, finish
+from planner.solve.problem import LayerPlacement, LayerProblem
+
+# Relative tolerance on the cap (float sums of activations).
+_RTOL = 1e-9
+# Rounds of the polish under the cap (expert swaps, then the tokens assigned again).
+_POLISH_ROUNDS = 2
+
+
+def expert_loads(problem: LayerProblem) -> np.ndarray:
+    """[N] float64 routed activations of each expert by the problem's token rows."""
+    w = problem.affinity
+    loaded = problem.token_freq > 0
+    if loaded.all():
+        return problem.expert_load
+    return np.asarray(w[loaded].sum(axis=0)).ravel()
+
+
+def device_expert_loads(problem: LayerProblem, expert_to_device: np.ndarray) -> np.ndarray:
+    """[E] float64 expert load of each device under ``expert_to_device``."""
+    return np.bincount(expert_to_device, weights=expert_loads(problem), minlength=problem.ep_size)
+
+
+def expert_imbalance(problem: LayerProblem, expert_to_device: np.ndarray) -> float:
+    """max device expert load / mean (1.0 when no expert is used)."""
+    loads = device_expert_loads(problem, expert_to_device)
+    mean = loads.sum() / problem.ep_size
+    return float(loads.max() / mean) if mean > 0 else 1.0
+
+
+def check_expert_beta(expert_beta: float | None) -> None:
+    if expert_beta is not None and not (np.isfinite(expert_beta) and expert_beta >= 1):
+        raise InputError(f"expert_beta={expert_beta} must be a finite number >= 1 (or none)")
+
+
+def cap_expert_load(
+    problem: LayerProblem,
+    placement: LayerPlacement,
+    expert_beta: float,
+    max_swaps: int | None = None,
+    polish: bool = True,
+) -> LayerPlacement:
+    """``placement`` with every device's expert load at most ``expert_beta`` times the mean
+    where swaps can reach it (module doc); unchanged when it already is.
+
+    ``polish`` (default on) then wins back locality with swaps that stay under the cap.
+    ``max_swaps`` bounds the swaps that lower the peak (default 4 N).
+
+    The report's ``info["expert_balance"]`` says the imbalance before and after, the swaps
+    that lowered the peak and the local activations they cost on the problem's W (tokens
+    held), what the polish won back, and whether the cap was reached.
+    """
+    check_expert_beta(expert_beta)
+    started = time.perf_counter()
+    f = expert_loads(problem)
+    e, n = problem.ep_size, problem.num_experts
+    x = placement.expert_to_device.copy()
+    loads = np.bincount(x, weights=f, minlength=e)
+    mean = loads.sum() / e
+    before = float(loads.max() / mean) if mean > 0 else 1.0
+    cap = expert_beta * mean
+    if mean <= 0 or loads.max() <= cap * (1 + _RTOL):
+        return placement
+    m = expert_scores(problem, placement.token_to_device)  # [E, N], fixed while tokens are
+    x, swaps, cost = _lower_the_peak(m, f, x, loads, cap, max_swaps or 4 * n)
+    peak = float(np.bincount(x, weights=f, minlength=e).max())
+    limit = max(cap, peak)  # the cap, or the lowest peak reached where it cannot be
+    # Win back locality under the cap, the tokens assigned again between rounds.
+    gained = 0.0
+    for _ in range(_POLISH_ROUNDS if polish else 0):
+        t = assign_for_problem(problem, device_gains(problem, x)).token_to_device
+        x, won = _polish_under(expert_scores(problem, t), f, x, limit, 2 * n)
+        gained += won
+        if won <= 0:
+            break
+    after = float(np.bincount(x, weights=f, minlength=e).max()) / mean
+    info = dict(placement.info)
+    info["expert_balance"] = {
+        "expert_beta": float(expert_beta),
+        "imbalance_before": round(before, 4),
+        "imbalance_after": round(float(after), 4),
+        "swaps": swaps,
+        "local_cost": round(cost, 3),
+        "polish_gain": round(gained, 3),
+        "reached": bool(after <= expert_beta * (1 + 1e-6)),
+    }
+    capped = finish(problem, placement.method, x, seed=placement.seed, started=started, info=info)
+    return dataclasses.replace(capped, seconds=placement.seconds + capped.seconds)
+
+
+def _lower_the_peak(
+    m: np.ndarray, f: np.ndarray, x: np.ndarray, loads: np.ndarray, cap: float, limit: int
+) -> tuple[np.ndarray, int, float]:
+    """Swap experts off the most loaded device until every device is under ``cap`` or no
+    swap lowers the peak (module doc). Returns (placement with the lowest peak, swaps made
+    to reach it, local activations they cost with the tokens held)."""
+    x, loads = x.copy(), loads.copy()
+    swaps = cost = 0.0
+    best = (x.copy(), 0, 0.0)
+    peak = float(loads.max())
+    while loads.max() > cap * (1 + _RTOL) and swaps < limit:
+        d = int(loads.argmax())
+        mine = np.flatnonzero(x == d)  # p: experts leaving d
+        others = np.flatnonzero(x != d)  # q: experts coming to d
+        dq = x[others]
+        moved = f[mine][:, None] - f[others][None, :]  # load leaving d, [P, N - P]
+        new_other = loads[dq][None, :] + moved
+        # the swap must lower d and keep the other device below d's present load
+        ok = (moved > 0) & (new_other < loads[d] * (1 - _RTOL))
+        if not ok.any():
+            break
+        # local activations gained by the swap (negative: lost), tokens where they are
+        delta = m[dq][:, mine].T - m[d, mine][:, None] + m[d, others][None, :] - m[dq, others]
+        under = ok & (new_other <= cap * (1 + _RTOL))
+        if under.any():  # the fewest activations lost per unit of the reduction still needed
+            need = np.minimum(moved, loads[d] - cap).clip(min=1e-300)
+            score = np.where(under, -delta / need, np.inf)
+        else:  # none keeps the other device under the cap: the most even pair of loads
+            score = np.where(ok, np.maximum(loads[d] - moved, new_other), np.inf)
+        i, j = np.unravel_index(int(np.argmin(score)), score.shape)
+        p, q = int(mine[i]), int(others[j])
+        x[p], x[q] = x[q], d
+        loads[d] -= moved[i, j]
+        loads[x[p]] += moved[i, j]
+        cost -= float(delta[i, j])
+        swaps += 1
+        if loads.max() < peak * (1 - _RTOL):
+            peak = float(loads.max())
+            best = (x.copy(), int(swaps), cost)
+    return best
+
+
+def _polish_under(
+    m: np.ndarray, f: np.ndarray, x: np.ndarray, limit: float, moves: int
+) -> tuple[np.ndarray, float]:
+    """Best-improvement expert swaps with the tokens held (gain ``M[x_q, p] - M[x_p, p] +
+    M[x_p, q] - M[x_q, q]``) that keep every device's expert load at most ``limit``.
+    Returns (placement, local activations gained)."""
+    x = x.copy()
+    n = x.size
+    loads = np.bincount(x, weights=f, minlength=m.shape[0])
+    tol = 1e-9 * max(float(m.sum()), 1e-300)
+    gained = 0.0
+    cols = np.arange(n)
+    for _ in range(moves):
+        a = m[x]  # a[q, p] = M[x_q, p]
+        own = a[cols, cols]  # M[x_p, p]
+        delta = a.T - own[:, None] + a - own[None, :]
+        shift = f[:, None] - f[None, :]  # load moving from x_p to x_q when p and q swap
+        fits = (loads[x][:, None] - shift <= limit * (1 + _RTOL)) & (
+            loads[x][None, :] + shift <= limit * (1 + _RTOL)
+        )
+        delta = np.where(fits & (x[:, None] != x[None, :]), delta, -np.inf)
+        p, q = np.unravel_index(int(np.argmax(delta)), delta.shape)
+        if delta[p, q] <= tol:
+            break
+        gained += float(delta[p, q])
+        loads[x[p]] -= shift[p, q]
+        loads[x[q]] += shift[p, q]
+        x[p], x[q] = x[q], x[p]
+    return x, gained
