@@ -69,7 +69,12 @@ def expert_imbalance(problem: LayerProblem, expert_to_device: np.ndarray) -> flo
 
 
 def check_expert_beta(expert_beta: float | None) -> None:
-    if expert_beta is not None and not (np.isfinite(expert_beta) and expert_beta >= 1):
+    if expert_beta is None:
+        return
+    number = isinstance(expert_beta, int | float | np.floating) and not isinstance(
+        expert_beta, bool
+    )
+    if not (number and np.isfinite(expert_beta) and expert_beta >= 1):
         raise InputError(f"expert_beta={expert_beta} must be a finite number >= 1 (or none)")
 
 

@@ -55,6 +55,7 @@ from typing import Any
 
 import numpy as np
 
+from planner._progress import progress_bar
 from planner.errors import InputError
 from planner.predict.ngram import check_table_size, fit_ngram_device_table
 from planner.predict.predictor import Predictor
@@ -226,10 +227,12 @@ def make_plan(predictor: Predictor, config: PlanConfig, *, progress: bool = True
         ngram_term=term, chain_passes=config.chain_passes if solved else 0,
     )  # fmt: skip
     if config.expert_beta is not None and solved:
-        placements = [
-            cap_expert_load(p, q, config.expert_beta)
-            for p, q in zip(problems, placements, strict=True)
-        ]
+        with progress_bar(progress, "expert cap", len(problems), unit="layers") as advance:
+            capped = []
+            for p, q in zip(problems, placements, strict=True):
+                capped.append(cap_expert_load(p, q, config.expert_beta))
+                advance()
+        placements = capped
     tables = [vocabulary_table(predictor, p, q) for p, q in zip(problems, placements, strict=True)]
     expert_to_device = np.stack([q.expert_to_device for q in placements])
     ngram_dev = ngram_conf = None
