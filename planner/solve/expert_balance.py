@@ -38,7 +38,13 @@ import time
 import numpy as np
 
 from planner.errors import InputError
-from planner.solve.common import assign_for_problem, device_gains, expert_scores, finish
+from planner.solve.common import (
+    assign_for_problem,
+    device_gains,
+    expert_scores,
+    finish,
+    token_imbalance,
+)
 from planner.solve.problem import LayerPlacement, LayerProblem
 
 # Relative tolerance on the cap (float sums of activations).
@@ -63,9 +69,7 @@ def device_expert_loads(problem: LayerProblem, expert_to_device: np.ndarray) -> 
 
 def expert_imbalance(problem: LayerProblem, expert_to_device: np.ndarray) -> float:
     """max device expert load / mean (1.0 when no expert is used)."""
-    loads = device_expert_loads(problem, expert_to_device)
-    mean = loads.sum() / problem.ep_size
-    return float(loads.max() / mean) if mean > 0 else 1.0
+    return token_imbalance(expert_loads(problem), expert_to_device, problem.ep_size)
 
 
 def check_expert_beta(expert_beta: float | None) -> None:
@@ -111,12 +115,13 @@ def cap_expert_load(
     peak = float(np.bincount(x, weights=f, minlength=e).max())
     limit = max(cap, peak)  # the cap, or the lowest peak reached where it cannot be
     # Win back locality under the cap, the tokens assigned again between rounds.
-    gained = 0.0
+    gained, settled = 0.0, None  # settled: the tokens' assignment to x, once x stops moving
     for _ in range(_POLISH_ROUNDS if polish else 0):
         t = assign_for_problem(problem, device_gains(problem, x)).token_to_device
         x, won = _polish_under(expert_scores(problem, t), f, x, limit, 2 * n)
         gained += won
         if won <= 0:
+            settled = t  # x is what t was assigned to: finish need not assign again
             break
     after = float(np.bincount(x, weights=f, minlength=e).max()) / mean
     info = dict(placement.info)
@@ -129,7 +134,10 @@ def cap_expert_load(
         "polish_gain": round(gained, 3),
         "reached": bool(after <= expert_beta * (1 + 1e-6)),
     }
-    capped = finish(problem, placement.method, x, seed=placement.seed, started=started, info=info)
+    capped = finish(
+        problem, placement.method, x, seed=placement.seed, started=started,
+        token_to_device=settled, info=info,
+    )  # fmt: skip
     return dataclasses.replace(capped, seconds=placement.seconds + capped.seconds)
 
 
@@ -140,7 +148,7 @@ def _lower_the_peak(
     swap lowers the peak (module doc). Returns (placement with the lowest peak, swaps made
     to reach it, local activations they cost with the tokens held)."""
     x, loads = x.copy(), loads.copy()
-    swaps = cost = 0.0
+    swaps, cost = 0, 0.0
     best = (x.copy(), 0, 0.0)
     peak = float(loads.max())
     while loads.max() > cap * (1 + _RTOL) and swaps < limit:
