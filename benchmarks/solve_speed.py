@@ -19,6 +19,10 @@ Runtime batches: ``--batches trace`` (default) records the instance's fitting ba
 ``--batches domain`` cuts them from the rows sorted by request domain (every batch one
 domain: the most over-cap groups, the slowest case); ``--batches none`` leaves them out.
 
+``--expert-beta B`` solves every method but vanilla under the expert-load cap
+(:mod:`planner.solve.expert_balance`: CEO keeps to it in its search, the others are capped
+after); every row reports its ``expert_imbalance``.
+
 Whole model: ``--model-layers`` layers (default 58) of one synthetic DeepSeek-V3-shaped
 model are solved with :func:`planner.solve.plan.solve_model` (``--jobs`` processes, default
 2) and, as ``moeplan solve`` does, the n-gram term (layers in order within runs of 16,
@@ -73,7 +77,8 @@ def _csr_load(data, prefix: str) -> sparse.csr_matrix | None:
     return sparse.csr_matrix(tuple(parts), shape=tuple(data[prefix + "shape"]))
 
 
-def _child(method: str, instance: str, ep: int, seed: int, queue) -> None:
+def _child(method: str, instance: str, ep: int, seed: int, expert_beta, queue) -> None:
+    from planner.solve.expert_balance import expert_imbalance
     from planner.solve.problem import LayerProblem, SolverConfig
     from planner.solve.registry import solve_layer
 
@@ -84,10 +89,12 @@ def _child(method: str, instance: str, ep: int, seed: int, queue) -> None:
     name, _, variant = method.partition(":")
     options = {name: {"variant": variant}} if variant else {}
     started = time.perf_counter()
-    placement = solve_layer(problem, name, SolverConfig(seed=seed, options=options))
+    config = SolverConfig(seed=seed, options=options, expert_beta=expert_beta)
+    placement = solve_layer(problem, name, config)
     queue.put({
         "method": method, "ep": ep, "seconds": time.perf_counter() - started,
         "lar": placement.local_rate, "token_imbalance": placement.token_imbalance,
+        "expert_imbalance": expert_imbalance(problem, placement.expert_to_device),
         "tokens": problem.num_tokens, "nnz": int(w.nnz),
         "peak_rss_mib": peak_rss_mib(), "rss_before_solve_mib": base,
         "batches": 0 if batch_freq is None else int(batch_freq.shape[1]),
@@ -97,11 +104,11 @@ def _child(method: str, instance: str, ep: int, seed: int, queue) -> None:
     })  # fmt: skip
 
 
-def run_child(method: str, instance: str, ep: int, seed: int) -> dict:
+def run_child(method: str, instance: str, ep: int, seed: int, expert_beta=None) -> dict:
     """Solve in a fresh spawned process so that its peak RSS is the solve's own."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(method, instance, ep, seed, queue))
+    proc = ctx.Process(target=_child, args=(method, instance, ep, seed, expert_beta, queue))
     proc.start()
     result = queue.get()
     proc.join()
@@ -111,7 +118,7 @@ def run_child(method: str, instance: str, ep: int, seed: int) -> dict:
 def _print_row(r: dict) -> None:
     print(
         f"EP{r['ep']:3d} {r['method']:12s} {r['seconds']:7.2f} s  LAR {r['lar']:.4f}  "
-        f"imb {r['token_imbalance']:.3f}  peak {r['peak_rss_mib']:.0f} MiB "
+        f"imb {r['token_imbalance']:.3f}  exp.imb {r['expert_imbalance']:.3f}  peak {r['peak_rss_mib']:.0f} MiB "
         f"(before solve {r['rss_before_solve_mib']:.0f})  batches {r['batches']}"
         + (f"  iterations {r['iterations']}" if "iterations" in r else "")
         + (f"  effort {r['effort'] / 1e6:.2f}M units" if "effort" in r else "")
@@ -227,6 +234,10 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--batches", choices=BATCH_ORDERS, default="trace", help="fitting batches (module doc)"
     )
+    ap.add_argument(
+        "--expert-beta", type=float, default=None,
+        help="the expert-load cap of every solve but vanilla (SolverConfig.expert_beta)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     eps = [int(e) for e in args.ep.split(",")]
     ids, w, a, batch_freq = synth_layer(args.occurrences, args.seed, args.batches)
@@ -237,10 +248,10 @@ def main(argv=None) -> int:
         np.savez(instance, freq=a, ids=ids, **_csr_arrays("", w), **extra)
         for ep in eps:
             for method in args.methods.split(","):
-                results.append(run_child(method, instance, ep, args.seed))
+                results.append(run_child(method, instance, ep, args.seed, args.expert_beta))
                 _print_row(results[-1])
     report = {"benchmark": "solve_speed", "occurrences": args.occurrences,
-              "batches": args.batches,
+              "batches": args.batches, "expert_beta": args.expert_beta,
               "tokens": int(ids.size), "nnz": int(w.nnz), "layer": results}  # fmt: skip
     ceo = {r["ep"]: r["seconds"] for r in results if r["method"] == "ceo"}
     if ceo:

@@ -47,6 +47,20 @@ change has a switch, and ``benchmarks/solve_quality.py`` shows its effect:
   when batches are not a random mix (e.g. one domain at a time); the search then prefers
   placements that let every batch use all devices. A candidate keeps its unpolished form
   when the polish lowers this score. Without batches, or in penalty mode, it changes nothing.
+- ``expert_cap``: with an expert-load cap (``SolverConfig.expert_beta``,
+  :mod:`planner.solve.expert_balance`) the search chooses among capped placements by its
+  whole score (n-gram term and batch take-back included) instead of being capped after.
+  ``"repair"`` (default): every sample is brought under the cap
+  (:meth:`~planner.solve.expert_balance.ExpertLimit.repair`) before and again after its
+  local search, which itself runs free; the final polish only moves within the cap.
+  ``"search"`` keeps the samples' local search within the cap too; ``"after"`` searches
+  as without a cap and leaves it to the post-step, as for the other methods. On the
+  DeepSeek-V3-shaped layer of ``benchmarks/solve_speed.py`` at cap 1.25 (LAR; uncapped
+  0.4332 at EP 8): EP 8 repair 0.4323, search 0.4234, after 0.4303; EP 32 0.2821, 0.2769,
+  0.2742 (the best baseline, k-means capped after, 0.2767): the constrained local search
+  moves less per unit of work. On the 36 held-out cases of
+  ``benchmarks/compare_traces.py --expert-beta 1.25`` repair and search both win all 36
+  (mean ratio to the best baseline 1.033 and 1.035).
 
 Budget: ``effort`` work units per layer (default :data:`DEFAULT_EFFORT`, about 5 s on the
 reference machine), counted by the shared kernels (:mod:`planner.solve.effort`), not timed:
@@ -94,6 +108,7 @@ from planner.solve.common import (
     repair_expert_counts,
 )
 from planner.solve.effort import Effort, charge
+from planner.solve.expert_balance import ExpertLimit
 from planner.solve.kmeans import balanced_kmeans, expert_profiles
 from planner.solve.polish import polish
 from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig
@@ -115,6 +130,8 @@ MAX_LAYER_EFFORT = 1.5 * DEFAULT_EFFORT
 # (16 bytes), so 2**26 of them take 1 GiB; the defaults draw at most 32 x (N + J), 1.6M for a
 # DeepSeek-V3 layer. More was asked only by mistake, and died of memory part way through.
 MAX_SAMPLE_CELLS = 2**26
+
+EXPERT_CAP_MODES = ("repair", "search", "after")
 
 DEFAULTS: dict[str, object] = {
     "variant": "improved",
@@ -150,6 +167,10 @@ DEFAULTS: dict[str, object] = {
     "effort": DEFAULT_EFFORT,
     "time_budget": None,  # soft seconds per layer besides (None: none); the time limit is hard
     "search_share": 0.6,  # share of the budget for the search, the rest for the final polish
+    # with SolverConfig.expert_beta (module doc): "repair" brings every sample under the
+    # cap after its local search, "search" keeps the local search within it too, "after"
+    # searches without it and leaves it to the post-step (as for the other methods)
+    "expert_cap": "repair",
 }
 # kinds of the options whose default does not say it (planner.solve.common.check_options)
 KINDS = {
@@ -188,7 +209,14 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     if opts["variant"] == "paper":
         x, t, info = _solve_paper(problem, opts, config.seed, deadline)
     else:
-        x, t, info = _solve_improved(problem, opts, config.seed, started, deadline)
+        cap = ExpertLimit.of(problem, config.expert_beta)
+        if opts["expert_cap"] not in EXPERT_CAP_MODES:
+            raise InputError(
+                f"ceo: expert_cap={opts['expert_cap']!r} is not one of {', '.join(EXPERT_CAP_MODES)}"
+            )
+        if opts["expert_cap"] == "after":
+            cap = None
+        x, t, info = _solve_improved(problem, opts, config.seed, started, deadline, cap)
     return finish(
         problem, "ceo", x, seed=config.seed, started=started, token_to_device=t, info=info
     )
@@ -401,6 +429,8 @@ class _Scorer:
         rounds: int,
         batch_aware: bool,
         effort: Effort,
+        limit: ExpertLimit | None = None,
+        repair_after: bool = False,
     ):
         # the heaviest token rows, and as many heaviest load-free rows (n-gram contexts),
         # so that neither kind crowds the other out of the scoring set
@@ -413,6 +443,8 @@ class _Scorer:
         self.rounds = rounds
         self.batch_aware = batch_aware
         self.effort = effort
+        self.limit = limit
+        self.repair_after = repair_after
         self.prices: np.ndarray | None = None
 
     def __call__(self, x: np.ndarray) -> tuple[np.ndarray, float]:
@@ -424,16 +456,36 @@ class _Scorer:
         if self.prices is None:
             self.prices = result.prices
         t = result.token_to_device
+        if self.limit is not None and not self.limit.allows(x):
+            # a sample over the expert cap is brought under it before it is scored (or to
+            # the lowest peak the swaps reach), so the search learns from placements it may
+            # return
+            x, t = self._repair(x, t)
+            gain = device_gains(sub, x, effort)
         if not self.local_search:
             return x, _score(sub, gain, t, self.batch_aware, effort)
         before = _score(sub, gain, t, self.batch_aware, effort) if self.batch_aware else -np.inf
         y, t, _ = polish(
             sub, x, t, sweeps=self.sweeps, max_rounds=self.rounds, swaps=self.swaps,
-            exact=False, effort=effort,
+            exact=False, effort=effort, limit=None if self.repair_after else self.limit,
         )  # fmt: skip
+        if self.repair_after and self.limit is not None and not self.limit.allows(y):
+            y, t = self._repair(y, t)
         after = _score(sub, device_gains(sub, y, effort), t, self.batch_aware, effort)
         # the polish raises the objective; net of the batch cap it may not
         return (y, after) if after >= before else (x, before)
+
+    def _repair(self, x: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``x`` under the expert cap (:meth:`ExpertLimit.repair`), its tokens assigned again."""
+        sub, effort = self.problem, self.effort
+        assert self.limit is not None  # only called with a cap
+        charge(effort, "place_experts", entries=sub.affinity.nnz, steps=x.size * x.size)
+        x = self.limit.repair(sub, x, t)
+        gain = device_gains(sub, x, effort)
+        result = assign_for_problem(
+            sub, gain, prices=self.prices, sweeps=self.sweeps, exact=False, effort=effort
+        )
+        return x, result.token_to_device
 
 
 def _score(
@@ -449,7 +501,12 @@ def _earliest(a: float | None, b: float | None) -> float | None:
 
 
 def _solve_improved(
-    problem: LayerProblem, opts: dict, seed: int, started: float, deadline: float | None
+    problem: LayerProblem,
+    opts: dict,
+    seed: int,
+    started: float,
+    deadline: float | None,
+    cap: ExpertLimit | None = None,
 ):
     rng = np.random.default_rng(seed)
     num_samples = _num_samples(opts)
@@ -469,8 +526,9 @@ def _solve_improved(
     search_stop = _Stops(search_end, None if limit is None else share * limit)
     if opts["assign_tokens"]:
         candidates, its, cut = _cross_entropy_experts(
-            problem, opts, rng, num_samples, iterations, search_stop, effort
-        )
+            problem, opts, rng, num_samples, iterations, search_stop, effort,
+            cap, repair_after=opts["expert_cap"] == "repair",
+        )  # fmt: skip
         tokens = [None] * len(candidates)
     else:
         p_ep, p_tk, its, cut = _cross_entropy_joint(
@@ -506,11 +564,11 @@ def _solve_improved(
             # cheap exact-expert rounds first, then rounds with swaps while budget remains
             y, u, rounds = polish(
                 problem, x, t, deadline=polish_stop.seconds, sweeps=10, swaps=False,
-                effort=effort,
+                effort=effort, limit=cap,
             )  # fmt: skip
             y, u, more = polish(
                 problem, y, u, deadline=polish_stop.seconds, sweeps=10, swaps=True,
-                effort=effort,
+                effort=effort, limit=cap,
             )  # fmt: skip
             rounds += more
             polished = _score(problem, device_gains(problem, y, effort), u, aware, effort)
@@ -544,6 +602,8 @@ def _solve_improved(
         "effort_budget": None if limit is None else round(limit),
         "candidates": log,
     }
+    if cap is not None:  # the search kept to the expert-load cap
+        info["expert_bound"] = round(cap.bound, 3)
     if aware and problem.batch_freq is not None:
         info["batch_overflow"] = batch_overflow(problem, device_gains(problem, x), t)
     return x, t, info
@@ -583,6 +643,8 @@ def _cross_entropy_experts(
     iterations: int,
     stop: _Stops,
     effort: Effort,
+    cap: ExpertLimit | None = None,
+    repair_after: bool = False,
 ) -> tuple[list[np.ndarray], tuple[int, int], bool]:
     """CE over expert placements, each scored with its best tokens. -> (candidates, iters).
 
@@ -602,6 +664,8 @@ def _cross_entropy_experts(
         int(opts["search_rounds"]),
         bool(opts["batch_aware"]),
         effort,
+        cap,
+        repair_after,
     )
     p_ep = np.full((n, e), 1.0 / e)
     if opts["warm_start"]:

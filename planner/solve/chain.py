@@ -87,6 +87,7 @@ from planner.solve.common import (
     objective,
 )
 from planner.solve.effort import Effort, charge, exhausted
+from planner.solve.expert_balance import ExpertLimit
 from planner.solve.ngram_term import NgramTerm
 from planner.solve.polish import best_outside
 from planner.solve.problem import LayerPlacement, LayerProblem
@@ -109,6 +110,7 @@ def chain_polish(
     passes: int = 2,
     batch_aware: bool = True,
     layer_effort: float | None = DEFAULT_LAYER_EFFORT,
+    expert_beta: float | None = None,
 ) -> dict[int, LayerPlacement]:
     """Polish the layers of one run; returns the placements that changed, by layer.
 
@@ -123,6 +125,9 @@ def chain_polish(
         layer_effort: work units (:mod:`planner.solve.effort`) for one layer's swap search
             in each pass (None: until no swap gains). Counted, not timed, so the polish
             gives the same placements on any machine and with any ``jobs``.
+        expert_beta: the expert-load cap (:mod:`planner.solve.expert_balance`): only swaps
+            that keep every device within it (or within the layer's peak where that is
+            higher) are made.
     """
     x_all = np.stack([p.expert_to_device for p in placements]).astype(np.int64)
     t_all = {layer: placements[layer].token_to_device for layer in run}
@@ -134,7 +139,9 @@ def chain_polish(
             parts = LayerTerms(problems, term, x_all, layer, run, batch_aware)
             x_old, t_old = x_all[layer], t_all[layer]
             meter = Effort(stop=layer_effort)
-            x_new, swaps = parts.swap_search(x_old, t_old, meter)
+            limit = ExpertLimit.of(parts.problem, expert_beta)
+            limit = None if limit is None else limit.for_placement(x_old)
+            x_new, swaps = parts.swap_search(x_old, t_old, meter, limit)
             if swaps == 0:
                 continue
             problem = problems[layer]
@@ -256,12 +263,17 @@ class LayerTerms:
     # search ------------------------------------------------------------------------------
 
     def swap_search(
-        self, x: np.ndarray, t: np.ndarray, effort: Effort | None = None
+        self,
+        x: np.ndarray,
+        t: np.ndarray,
+        effort: Effort | None = None,
+        limit: ExpertLimit | None = None,
     ) -> tuple[np.ndarray, int]:
         """Best-improvement expert swaps with the tokens fixed; (placement, swaps made).
 
         Each round's scoring of every swap is charged to ``effort``; the search stops once
-        it is exhausted (after the round that exhausted it).
+        it is exhausted (after the round that exhausted it). With ``limit`` only swaps
+        within the expert-load bound are made.
         """
         x = x.copy()
         if self.e < 2:
@@ -274,6 +286,8 @@ class LayerTerms:
                 break
             a, b, delta = self.swap_deltas(x, t, scores=s)
             charge(effort, "chain_swaps", entries=a.size * self.width)
+            if limit is not None:
+                delta = np.where(limit.swaps_fit(x, a, b), delta, -np.inf)
             if not a.size:
                 break
             best = int(np.argmax(delta))

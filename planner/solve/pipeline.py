@@ -55,16 +55,15 @@ from typing import Any
 
 import numpy as np
 
-from planner._progress import progress_bar
 from planner.errors import InputError
 from planner.predict.ngram import check_table_size, fit_ngram_device_table
 from planner.predict.predictor import Predictor
 from planner.predict.reliability import discounted_share, shrink_confidence
-from planner.solve.expert_balance import cap_expert_load, check_expert_beta, expert_imbalance
+from planner.solve.expert_balance import expert_imbalance
 from planner.solve.metrics import token_table
 from planner.solve.ngram_term import DEFAULT_WEIGHT, NgramTerm
 from planner.solve.plan import Plan, solve_model
-from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig
+from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig, check_expert_beta
 from planner.solve.registry import check_method_options, get_solver
 from planner.trace.schema import TraceMeta
 
@@ -103,9 +102,11 @@ class PlanConfig:
             (the paper's table); no effect when the predictor has no token shrinkage, nor
             for ``vanilla``, whose token table is dealt out, not solved.
         expert_beta: cap on each device's expert load (routed activations its experts
-            process) as a multiple of the mean, applied after the solver by expert swaps
-            (:mod:`planner.solve.expert_balance`), for any method but ``vanilla``; None
-            (the default) leaves it unbounded.
+            process) as a multiple of the mean (:mod:`planner.solve.expert_balance`), for
+            any method but ``vanilla``: each layer's result is brought under it by expert
+            swaps as it is solved (so the layers after it take their n-gram contexts from
+            the capped placement), CEO's search keeps to it, and the chain polish does
+            too. None (the default) leaves it unbounded.
     """
 
     method: str = "ceo"
@@ -141,7 +142,12 @@ class PlanConfig:
             raise InputError("chain_passes needs the n-gram term: ngram_weight must be > 0")
 
     def solver_config(self) -> SolverConfig:
-        return SolverConfig(seed=self.seed, time_limit=self.time_limit, options=self.options)
+        return SolverConfig(
+            seed=self.seed,
+            time_limit=self.time_limit,
+            options=self.options,
+            expert_beta=self.expert_beta if self.method != "vanilla" else None,
+        )
 
 
 def layer_problems(predictor: Predictor, ep_size: int, beta: float = 1.1) -> list[LayerProblem]:
@@ -226,13 +232,6 @@ def make_plan(predictor: Predictor, config: PlanConfig, *, progress: bool = True
         problems, config.method, config.solver_config(), jobs=config.jobs, progress=progress,
         ngram_term=term, chain_passes=config.chain_passes if solved else 0,
     )  # fmt: skip
-    if config.expert_beta is not None and solved:
-        with progress_bar(progress, "expert cap", len(problems), unit="layers") as advance:
-            capped = []
-            for p, q in zip(problems, placements, strict=True):
-                capped.append(cap_expert_load(p, q, config.expert_beta))
-                advance()
-        placements = capped
     tables = [vocabulary_table(predictor, p, q) for p, q in zip(problems, placements, strict=True)]
     expert_to_device = np.stack([q.expert_to_device for q in placements])
     ngram_dev = ngram_conf = None

@@ -169,7 +169,10 @@ def solve_model(
         ) as advance:
             # Runs are polished independently (a run's terms read only its own layers).
             tasks = [
-                _polish_task(problems, placements, ngram_term, run, chain_passes) for run in runs
+                _polish_task(
+                    problems, placements, ngram_term, run, chain_passes, config.expert_beta
+                )
+                for run in runs
             ]
 
             def apply(run: list[int], polished: dict[int, LayerPlacement]) -> None:
@@ -215,16 +218,16 @@ def _worker_pool(workers: int) -> Iterator[cf.ProcessPoolExecutor]:
             os.environ.pop(name, None)
 
 
-def _polish_task(problems, placements, term, run, passes) -> tuple:
+def _polish_task(problems, placements, term, run, passes, expert_beta) -> tuple:
     """Arguments of :func:`_polish_run` for one run: only the run's problems travel."""
     members = set(run)
     kept = [p if i in members else None for i, p in enumerate(problems)]
-    return kept, placements, term, run, passes
+    return kept, placements, term, run, passes, expert_beta
 
 
 def _polish_run(args: tuple) -> dict[int, LayerPlacement]:
-    problems, placements, term, run, passes = args
-    return chain_polish(problems, placements, term, run, passes=passes)
+    problems, placements, term, run, passes, expert_beta = args
+    return chain_polish(problems, placements, term, run, passes=passes, expert_beta=expert_beta)
 
 
 @dataclass(frozen=True, eq=False)

@@ -25,6 +25,7 @@ from planner.solve.common import (
     place_experts,
 )
 from planner.solve.effort import Effort, charge, exhausted
+from planner.solve.expert_balance import ExpertLimit
 from planner.solve.problem import LayerProblem
 
 # Single swaps verified per polish round when the batch of swaps fails.
@@ -56,6 +57,7 @@ def polish(
     swaps: bool = True,
     exact: bool = True,
     effort: Effort | None = None,
+    limit: ExpertLimit | None = None,
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """Local search from a placement; never lowers the objective.
 
@@ -67,11 +69,17 @@ def polish(
        :func:`swap_candidates` (tokens free to move, capacity priced by the assignment's
        duals): first all non-overlapping proposals at once, then the best few alone.
 
+    With ``limit`` (the expert-load cap, :class:`ExpertLimit`) only moves that keep every
+    device's expert load within it, or within the start's peak where that is higher, are
+    made.
+
     Stops when neither move gains, after ``max_rounds``, at ``deadline``
     (``time.perf_counter()`` value), or once ``effort`` is exhausted (every step is charged
     to it). Returns (expert_to_device, token_to_device, rounds).
     """
     x = np.asarray(expert_to_device, dtype=np.int64)
+    if limit is not None:
+        limit = limit.for_placement(x)
     gain = device_gains(problem, x, effort)
     result = assign_for_problem(problem, gain, sweeps=sweeps, exact=exact, effort=effort)
     prices = result.prices
@@ -83,7 +91,7 @@ def polish(
         if _out_of_time(deadline) or exhausted(effort):
             break
         improved = False
-        for x_new in _moves(problem, x, t, gain, prices, swaps, deadline, effort):
+        for x_new in _moves(problem, x, t, gain, prices, swaps, deadline, effort, limit):
             gain_new = device_gains(problem, x_new, effort)
             result = assign_for_problem(
                 problem, gain_new, prices=prices, sweeps=sweeps, exact=exact, effort=effort
@@ -110,6 +118,7 @@ def swap_candidates(
     gain: np.ndarray,
     prices: np.ndarray,
     effort: Effort | None = None,
+    limit: ExpertLimit | None = None,
 ) -> list[tuple[float, int, int, int, int]]:
     """The most promising expert swap of every device pair, by a priced estimate.
 
@@ -123,7 +132,8 @@ def swap_candidates(
 
     The estimate ignores that moving tokens shifts the prices, so it is optimistic: callers
     verify candidates with the real assignment (:func:`polish`). Returns [(estimated gain,
-    device p, device q, expert on p, expert on q)], best first, estimated gain > 0 only.
+    device p, device q, expert on p, expert on q)], best first, estimated gain > 0 only;
+    with ``limit``, only swaps that keep both devices' expert loads within it.
     The work is charged to ``effort`` when given.
     """
     x = np.asarray(expert_to_device, dtype=np.int64)
@@ -159,6 +169,8 @@ def swap_candidates(
         charge(effort, "swap_pair", entries=rows * (m * m + 2))
         if rows == 0:
             continue
+        if limit is not None:
+            delta = np.where(limit.swaps_fit(x, mem_p[:, None], mem_q[None, :]), delta, -np.inf)
         i, j = np.unravel_index(int(delta.argmax()), delta.shape)
         candidates.append((float(delta[i, j]), p, q, mem_p[i], mem_q[j]))
     scale = max(float(np.abs(current).sum()), 1.0) * 1e-12
@@ -314,16 +326,19 @@ def best_outside(top: np.ndarray, values: np.ndarray, p, q) -> np.ndarray:
     return outside
 
 
-def _moves(problem, x, t, gain, prices, swaps: bool, deadline: float | None, effort=None):
-    """Candidate expert placements for :func:`polish`, most promising first (lazy)."""
+def _moves(
+    problem, x, t, gain, prices, swaps: bool, deadline: float | None, effort=None, limit=None
+):
+    """Candidate expert placements for :func:`polish`, most promising first (lazy); with
+    ``limit``, only those within it."""
     n = problem.num_experts
     charge(effort, "place_experts", entries=problem.affinity.nnz, steps=n * n)
     best = place_experts(expert_scores(problem, t), problem.experts_per_device)
-    if not (best == x).all():
+    if not (best == x).all() and (limit is None or limit.allows(best)):
         yield best
     if not swaps or _out_of_time(deadline) or exhausted(effort):
         return
-    candidates = swap_candidates(problem, x, gain, prices, effort)
+    candidates = swap_candidates(problem, x, gain, prices, effort, limit)
     # all non-overlapping candidates at once, then the best few alone
     batch = x.copy()
     used: set[int] = set()
@@ -342,12 +357,13 @@ def _moves(problem, x, t, gain, prices, swaps: bool, deadline: float | None, eff
     # few experts: the whole swap neighbourhood is cheap, so try every swap
     e = problem.ep_size
     if n * n * (e - 1) // (2 * e) <= _ALL_SWAPS:
-        for a in range(n):
-            for b in range(a + 1, n):
-                if x[a] != x[b]:
-                    single = x.copy()
-                    single[a], single[b] = x[b], x[a]
-                    yield single
+        first, second = np.triu_indices(n, 1)
+        fits = None if limit is None else limit.swaps_fit(x, first, second)
+        for i, (u, v) in enumerate(zip(first.tolist(), second.tolist(), strict=True)):
+            if x[u] != x[v] and (fits is None or fits[i]):
+                single = x.copy()
+                single[u], single[v] = x[v], x[u]
+                yield single
 
 
 def _out_of_time(deadline: float | None) -> bool:

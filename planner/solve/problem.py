@@ -320,11 +320,15 @@ class SolverConfig:
         options: per-method option dicts, e.g. ``{"ceo": {"variant": "paper"}, "ilp":
             {"lp_path": "layer0.lp"}}``; each solver documents its keys and rejects unknown
             ones with :class:`InputError`.
+        expert_beta: cap on each device's expert load as a multiple of the mean
+            (:mod:`planner.solve.expert_balance`): every method's result is brought under
+            it, and CEO's search keeps to it. None leaves expert load unbounded.
     """
 
     seed: int = 0
     time_limit: float | None = None
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    expert_beta: float | None = None
 
     def __post_init__(self) -> None:
         if (
@@ -342,6 +346,7 @@ class SolverConfig:
             raise InputError(
                 f"options must be a dict of per-method dicts, got {type(self.options).__name__}"
             )
+        check_expert_beta(self.expert_beta)
 
     def for_method(self, method: str) -> dict[str, Any]:
         """The option dict of one method (empty when none were given)."""
@@ -359,7 +364,23 @@ class SolverConfig:
         return dataclasses.replace(self, seed=int(seed))
 
     def to_json(self) -> dict[str, Any]:
-        return {"seed": int(self.seed), "time_limit": self.time_limit, "options": self.options}
+        return {
+            "seed": int(self.seed),
+            "time_limit": self.time_limit,
+            "options": self.options,
+            "expert_beta": self.expert_beta,
+        }
+
+
+def check_expert_beta(expert_beta: float | None) -> None:
+    """InputError unless ``expert_beta`` is None or a finite number >= 1 (not a bool)."""
+    if expert_beta is None:
+        return
+    number = isinstance(expert_beta, int | float | np.floating) and not isinstance(
+        expert_beta, bool
+    )
+    if not (number and np.isfinite(expert_beta) and expert_beta >= 1):
+        raise InputError(f"expert_beta={expert_beta} must be a finite number >= 1 (or none)")
 
 
 @dataclass(frozen=True, eq=False)

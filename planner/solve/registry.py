@@ -13,6 +13,7 @@ from typing import Any
 from planner.errors import InputError
 from planner.solve import alternating, ceo, ilp, kmeans, metis, vanilla
 from planner.solve.common import check_options
+from planner.solve.expert_balance import cap_expert_load
 from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig
 
 Solver = Callable[[LayerProblem, SolverConfig], LayerPlacement]
@@ -85,6 +86,10 @@ def solve_layer(
 ) -> LayerPlacement:
     """Solve one layer with the named method (validated result).
 
+    With ``config.expert_beta`` the result is brought under the expert-load cap
+    (:func:`planner.solve.expert_balance.cap_expert_load`; not for ``vanilla``, the default
+    deployment as it is).
+
     A layer with no token load to place (e.g. a trace whose tokens are all unknown: only
     load-free n-gram context rows, or none) gets the default deployment whatever the
     method: there is nothing to balance, and the solvers' searches need some load.
@@ -95,4 +100,7 @@ def solve_layer(
         placement = SOLVERS["vanilla"](problem, config)
         note = "no token load in this layer: the default deployment"
         return dataclasses.replace(placement, method=method, info={"degenerate": note})
-    return solver(problem, config)
+    placement = solver(problem, config)
+    if config.expert_beta is not None and method != "vanilla":
+        placement = cap_expert_load(problem, placement, config.expert_beta)
+    return placement

@@ -11,6 +11,7 @@ from planner.predict.fit import FitConfig, fit_predictor
 from planner.solve import plan as plan_module
 from planner.solve.chain import LayerTerms, chain_polish
 from planner.solve.effort import Effort
+from planner.solve.expert_balance import expert_imbalance
 from planner.solve.ngram_term import NgramTerm
 from planner.solve.pipeline import PlanConfig, layer_problems, make_plan
 from planner.solve.plan import solve_model
@@ -92,6 +93,28 @@ def test_polish_raises_the_chain_objective_and_keeps_placements_valid(solved):
     assert regain < 0.5 * gain
 
 
+def test_polish_under_an_expert_cap_never_raises_a_layers_peak_above_it(solved):
+    problems, term, _ = solved
+    placements = solve_model(problems, "vanilla", SolverConfig(seed=0), progress=False,
+                             ngram_term=term)  # fmt: skip
+    run = term.runs(len(problems))[0]
+    free = chain_polish(problems, placements, term, run, batch_aware=False)
+    capped = chain_polish(problems, placements, term, run, batch_aware=False, expert_beta=1.1)
+    assert capped
+    before = {
+        i: expert_imbalance(problems[i], p.expert_to_device) for i, p in enumerate(placements)
+    }
+    after = {i: expert_imbalance(problems[i], p.expert_to_device) for i, p in capped.items()}
+    # unbounded, the polish loads some device beyond both the cap and where it started
+    assert any(
+        expert_imbalance(problems[i], p.expert_to_device) > max(1.1, before[i]) + 1e-6
+        for i, p in free.items()
+    )
+    for i, imbalance in after.items():
+        assert imbalance <= max(1.1, before[i]) + 1e-9
+        assert capped[i].info["chain_polish"]["gain"] > 0
+
+
 def test_swap_search_stops_when_its_work_budget_is_spent(solved):
     problems, term, _ = solved
     placements = solve_model(problems, "vanilla", SolverConfig(seed=0), progress=False,
@@ -142,9 +165,9 @@ def test_runs_are_polished_in_worker_processes_with_the_same_result(predictor, m
 def test_plan_runs_the_polish_when_asked_and_records_it(predictor, monkeypatch):
     calls = []
 
-    def spy(problems, placements, term, run, *, passes):
+    def spy(problems, placements, term, run, *, passes, expert_beta):
         calls.append((tuple(run), passes))
-        return chain_polish(problems, placements, term, run, passes=passes)
+        return chain_polish(problems, placements, term, run, passes=passes, expert_beta=expert_beta)
 
     monkeypatch.setattr(plan_module, "chain_polish", spy)
     plain = make_plan(predictor, PlanConfig(method="kmeans", ep_size=4), progress=False)
