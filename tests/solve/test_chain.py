@@ -40,6 +40,15 @@ def solved(predictor):
     return problems, term, placements
 
 
+@pytest.fixture(scope="module")
+def contiguous(solved):
+    """(problems, term, the default deployment's placements, the run): chain gains left."""
+    problems, term, _ = solved
+    placements = solve_model(problems, "vanilla", SolverConfig(seed=0), progress=False,
+                             ngram_term=term)  # fmt: skip
+    return problems, term, placements, term.runs(len(problems))[0]
+
+
 def chain_objective(problems, term, placements, run) -> float:
     x = np.stack([p.expert_to_device for p in placements]).astype(np.int64)
     total = 0.0
@@ -69,11 +78,8 @@ def test_swap_deltas_are_exact(solved, layer):
         assert parts.total(y, t) - base == pytest.approx(delta[i], abs=1e-9)
 
 
-def test_polish_raises_the_chain_objective_and_keeps_placements_valid(solved):
-    problems, term, _ = solved
-    placements = solve_model(problems, "vanilla", SolverConfig(seed=0), progress=False,
-                             ngram_term=term)  # fmt: skip
-    run = term.runs(len(problems))[0]
+def test_polish_raises_the_chain_objective_and_keeps_placements_valid(contiguous):
+    problems, term, placements, run = contiguous
     changed = chain_polish(problems, placements, term, run, batch_aware=False)
     assert changed, "contiguous placements leave chain gains on this routing"
     after = [changed.get(i, p) for i, p in enumerate(placements)]
@@ -93,11 +99,8 @@ def test_polish_raises_the_chain_objective_and_keeps_placements_valid(solved):
     assert regain < 0.5 * gain
 
 
-def test_polish_under_an_expert_cap_never_raises_a_layers_peak_above_it(solved):
-    problems, term, _ = solved
-    placements = solve_model(problems, "vanilla", SolverConfig(seed=0), progress=False,
-                             ngram_term=term)  # fmt: skip
-    run = term.runs(len(problems))[0]
+def test_polish_under_an_expert_cap_never_raises_a_layers_peak_above_it(contiguous):
+    problems, term, placements, run = contiguous
     free = chain_polish(problems, placements, term, run, batch_aware=False)
     capped = chain_polish(problems, placements, term, run, batch_aware=False, expert_beta=1.1)
     assert capped
@@ -115,11 +118,8 @@ def test_polish_under_an_expert_cap_never_raises_a_layers_peak_above_it(solved):
         assert capped[i].info["chain_polish"]["gain"] > 0
 
 
-def test_swap_search_stops_when_its_work_budget_is_spent(solved):
-    problems, term, _ = solved
-    placements = solve_model(problems, "vanilla", SolverConfig(seed=0), progress=False,
-                             ngram_term=term)  # fmt: skip
-    run = term.runs(len(problems))[0]
+def test_swap_search_stops_when_its_work_budget_is_spent(contiguous):
+    problems, term, placements, run = contiguous
     x = np.stack([p.expert_to_device for p in placements]).astype(np.int64)
     parts = LayerTerms(problems, term, x, 2, run, batch_aware=False)
     t = placements[2].token_to_device
