@@ -204,18 +204,16 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
         raise InputError(f"ceo: elite={opts['elite']!r} must lie in (0, 1]")
     if not (0.0 < float(opts["smoothing"]) <= 1.0):
         raise InputError(f"ceo: smoothing={opts['smoothing']!r} must lie in (0, 1]")
+    if opts["expert_cap"] not in EXPERT_CAP_MODES:
+        modes = ", ".join(EXPERT_CAP_MODES)
+        raise InputError(f"ceo: expert_cap={opts['expert_cap']!r} is not one of {modes}")
     _check_samples(problem, opts)
     deadline = config.deadline(started)
-    if opts["variant"] == "paper":
+    if opts["variant"] == "paper":  # the paper's search knows no expert cap: capped after
         x, t, info = _solve_paper(problem, opts, config.seed, deadline)
     else:
-        cap = ExpertLimit.of(problem, config.expert_beta)
-        if opts["expert_cap"] not in EXPERT_CAP_MODES:
-            raise InputError(
-                f"ceo: expert_cap={opts['expert_cap']!r} is not one of {', '.join(EXPERT_CAP_MODES)}"
-            )
-        if opts["expert_cap"] == "after":
-            cap = None
+        after = opts["expert_cap"] == "after"
+        cap = None if after else ExpertLimit.of(problem, config.expert_beta)
         x, t, info = _solve_improved(problem, opts, config.seed, started, deadline, cap)
     return finish(
         problem, "ceo", x, seed=config.seed, started=started, token_to_device=t, info=info
