@@ -175,12 +175,13 @@ def cap_expert_load(
     m = expert_scores(problem, placement.token_to_device)  # [E, N], fixed while tokens are
     x, swaps, cost = _lower_the_peak(m, f, x, loads, cap, max_swaps or 4 * n)
     peak = float(np.bincount(x, weights=f, minlength=e).max())
-    limit = max(cap, peak)  # the cap, or the lowest peak reached where it cannot be
+    # the cap, or the lowest peak reached where it cannot be
+    limit = ExpertLimit(f, max(cap, peak))
     # Win back locality under the cap, the tokens assigned again between rounds.
     gained, settled = 0.0, None  # settled: the tokens' assignment to x, once x stops moving
     for _ in range(_POLISH_ROUNDS if polish else 0):
         t = assign_for_problem(problem, device_gains(problem, x)).token_to_device
-        x, won = _polish_under(expert_scores(problem, t), f, x, limit, 2 * n)
+        x, won = _polish_under(expert_scores(problem, t), limit, x, 2 * n)
         gained += won
         if won <= 0:
             settled = t  # x is what t was assigned to: finish need not assign again
@@ -245,15 +246,12 @@ def _lower_the_peak(
     return best
 
 
-def _polish_under(
-    m: np.ndarray, f: np.ndarray, x: np.ndarray, limit: float, moves: int
-) -> tuple[np.ndarray, float]:
+def _polish_under(m: np.ndarray, limit: ExpertLimit, x: np.ndarray, moves: int):
     """Best-improvement expert swaps with the tokens held (gain ``M[x_q, p] - M[x_p, p] +
-    M[x_p, q] - M[x_q, q]``) that keep every device's expert load at most ``limit``.
+    M[x_p, q] - M[x_q, q]``) that keep every device within ``limit``.
     Returns (placement, local activations gained)."""
     x = x.copy()
     n = x.size
-    loads = np.bincount(x, weights=f, minlength=m.shape[0])
     tol = 1e-9 * max(float(m.sum()), 1e-300)
     gained = 0.0
     cols = np.arange(n)
@@ -261,16 +259,11 @@ def _polish_under(
         a = m[x]  # a[q, p] = M[x_q, p]
         own = a[cols, cols]  # M[x_p, p]
         delta = a.T - own[:, None] + a - own[None, :]
-        shift = f[:, None] - f[None, :]  # load moving from x_p to x_q when p and q swap
-        fits = (loads[x][:, None] - shift <= limit * (1 + _RTOL)) & (
-            loads[x][None, :] + shift <= limit * (1 + _RTOL)
-        )
+        fits = limit.swaps_fit(x, cols[:, None], cols[None, :])
         delta = np.where(fits & (x[:, None] != x[None, :]), delta, -np.inf)
         p, q = np.unravel_index(int(np.argmax(delta)), delta.shape)
         if delta[p, q] <= tol:
             break
         gained += float(delta[p, q])
-        loads[x[p]] -= shift[p, q]
-        loads[x[q]] += shift[p, q]
         x[p], x[q] = x[q], x[p]
     return x, gained
