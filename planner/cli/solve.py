@@ -119,8 +119,9 @@ def solve(
         None,
         "--expert-beta",
         help="Cap each device's expert load (the routed activations its experts process) at "
-        "this multiple of the mean, by expert swaps after the solver (e.g. 1.25; default: "
-        "unbounded). Co-activated hot experts grouped for locality load their device.",
+        "this multiple of the mean (e.g. 1.25; default: unbounded): CEO searches under it, "
+        "the other methods are brought under it by expert swaps after they solve. "
+        "Co-activated hot experts grouped for locality load their device.",
     ),
     options: str = typer.Option(None, "--options", help="Per-method solver options as JSON."),
     as_json: bool = typer.Option(False, "--json", help="Print the per-layer reports as JSON."),

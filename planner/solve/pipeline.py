@@ -146,7 +146,7 @@ class PlanConfig:
             seed=self.seed,
             time_limit=self.time_limit,
             options=self.options,
-            expert_beta=self.expert_beta if self.method != "vanilla" else None,
+            expert_beta=self.expert_beta,  # solve_layer leaves vanilla uncapped
         )
 
 
