@@ -25,7 +25,8 @@ holds whatever the assignment does.
 Only token rows count towards the load (``token_freq > 0``; the n-gram term's load-free
 context rows stand for the same occurrences again), but the swaps' costs count every row
 of the problem, so with the n-gram term (:mod:`planner.solve.ngram_term`) they weigh the
-layer's n-gram table too. ``SolverConfig.expert_beta`` (``PlanConfig.expert_beta``,
+layer's n-gram table too, as the solvers did (pricing them on the token rows alone is level
+with this on the real held-out traces, ``benchmarks/RESULTS.md``). ``SolverConfig.expert_beta`` (``PlanConfig.expert_beta``,
 ``--expert-beta``) applies it to every method but vanilla, as the token balance is, so the
 comparison stays fair: :func:`planner.solve.registry.solve_layer` caps each layer's result
 as it is solved, so the layers after it take their n-gram contexts from the capped
