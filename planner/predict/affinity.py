@@ -294,6 +294,11 @@ class TokenExpertAffinity:
 
     # -- derived tables ----------------------------------------------------------------------
 
+    def drop_tables(self) -> None:
+        """Forget the derived lookup tables (about as large as the counts); each layer's
+        are built again on its next use."""
+        self._tables.clear()
+
     def layer_tables(self, layer: int) -> _LayerTables:
         """The lookup tables of ``layer``, built on first use."""
         self._check_layer(layer)
@@ -347,7 +352,7 @@ class TokenExpertAffinity:
             topk=topk.astype(np.int16),
             top1=top1.astype(np.int16),
             pair_keys=pair_keys,
-            pair_counts=data.astype(np.int64),
+            pair_counts=data.astype(np.int64, copy=False),  # the counts' own array
             confident_size=np.bincount(confident, minlength=v).astype(np.int32),
             global_share=global_share,
             global_confident_size=int((global_share >= self.confident_threshold).sum()),
@@ -408,8 +413,9 @@ def _pack_csr(mats: tuple[sparse.csr_array, ...], prefix: str) -> dict[str, np.n
         f"{prefix}indptr": np.stack(
             [c.indptr.astype(np.int64) + o for c, o in zip(mats, offsets, strict=False)]
         ),
-        f"{prefix}indices": np.concatenate([c.indices for c in mats]).astype(np.int16),
-        f"{prefix}data": np.concatenate([c.data for c in mats]).astype(np.int64),
+        # one copy each (the file needs them end to end), not a second one to cast
+        f"{prefix}indices": np.concatenate([c.indices.astype(np.int16, copy=False) for c in mats]),
+        f"{prefix}data": np.concatenate([c.data.astype(np.int64, copy=False) for c in mats]),
     }
 
 

@@ -120,11 +120,19 @@ def _run_length(sorted_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def merge_sorted_counts(
-    keys_a: np.ndarray, counts_a: np.ndarray, keys_b: np.ndarray, counts_b: np.ndarray
+    keys_a: np.ndarray,
+    counts_a: np.ndarray,
+    keys_b: np.ndarray,
+    counts_b: np.ndarray,
+    *,
+    overwrite_a: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Sum two (sorted distinct keys, counts) multisets in linear time (no re-sort).
 
-    Assumes validated input: both key arrays sorted, distinct, of the same dtype.
+    Assumes validated input: both key arrays sorted, distinct, of the same dtype, and counts
+    of a dtype that holds the sums. ``overwrite_a`` lets ``counts_a`` be updated in place
+    (the caller gives it up): a running total then costs no copy of itself. Besides the
+    result, the merge allocates a byte per output key and one position per key of b.
     """
     if keys_a.shape[0] == 0:
         return keys_b, counts_b
@@ -133,23 +141,26 @@ def merge_sorted_counts(
     pos = np.searchsorted(keys_a, keys_b)
     hit = pos < keys_a.shape[0]
     hit[hit] = keys_a[pos[hit]] == keys_b[hit]
-    counts_a = counts_a.copy()
+    if not overwrite_a:
+        counts_a = counts_a.copy()
     counts_a[pos[hit]] += counts_b[hit]  # keys_b distinct, so positions are distinct
     miss = ~hit
     if not miss.any():
         return keys_a, counts_a
+    # b's new keys go to pos + (new keys of b before them); a's keys fill the other slots.
     pos_b = pos[miss]
-    # Output slot of each element: a's shift right by the b-keys inserted before them.
-    shift = np.cumsum(np.bincount(pos_b, minlength=keys_a.shape[0] + 1))[: keys_a.shape[0]]
-    slot_a = np.arange(keys_a.shape[0]) + shift
-    slot_b = pos_b + np.arange(pos_b.shape[0])
-    n = keys_a.shape[0] + pos_b.shape[0]
-    keys = np.empty(n, keys_a.dtype)
-    counts = np.empty(n, np.int64)
-    keys[slot_a] = keys_a
-    keys[slot_b] = keys_b[miss]
-    counts[slot_a] = counts_a
-    counts[slot_b] = counts_b[miss]
+    del pos, hit
+    pos_b += np.arange(pos_b.shape[0], dtype=pos_b.dtype)
+    from_b = np.zeros(keys_a.shape[0] + pos_b.shape[0], bool)
+    from_b[pos_b] = True
+    keys = np.empty(from_b.shape[0], keys_a.dtype)
+    counts = np.empty(from_b.shape[0], counts_a.dtype)
+    keys[pos_b] = keys_b[miss]
+    counts[pos_b] = counts_b[miss]
+    del pos_b
+    np.logical_not(from_b, out=from_b)  # now: the slots of a's keys
+    keys[from_b] = keys_a
+    counts[from_b] = counts_a
     return keys, counts
 
 
@@ -159,16 +170,21 @@ class SortedKeyCounter:
     Keys are written into a flat buffer (grown geometrically up to ``capacity``); when it
     is full, it is sorted in place (numpy's SIMD sort), run-length reduced and merged into
     the running (sorted distinct keys, counts) total. Memory is the total plus the buffer,
-    whatever the number of keys fed.
+    whatever the number of keys fed. Counts are int32 while no count can pass 2**31 - 1 (at
+    most that many keys fed), int64 from then on: with 4-byte keys the total then costs 8
+    bytes a distinct key instead of 12.
     """
+
+    NARROW_MAX = int(np.iinfo(np.int32).max)  # the most keys counted in int32
 
     def __init__(self, dtype: type, capacity: int = 1 << 27):
         self.dtype = dtype
         self.capacity = capacity
         self.keys: np.ndarray = np.zeros(0, dtype)
-        self.counts = np.zeros(0, np.int64)
+        self.counts: np.ndarray = np.zeros(0, np.int32)
         self._buffer: np.ndarray = np.zeros(0, dtype)
         self._used = 0
+        self._fed = 0  # keys counted so far: no count can exceed it
 
     def reserve(self, n: int) -> np.ndarray:
         """A writable [n] view of the buffer; every key written there is counted."""
@@ -188,23 +204,35 @@ class SortedKeyCounter:
         """Count every element of ``keys`` (1-D)."""
         self.reserve(keys.shape[0])[:] = keys
 
-    def _flush(self) -> None:
+    def _flush(self, release: bool = False) -> None:
+        """Fold the buffer into the total; ``release`` frees the buffer before the merge."""
         if self._used == 0:
             return
         raw = self._buffer[: self._used]
         raw.sort()
-        keys, counts = _run_length(raw)
+        keys, counts = _run_length(raw)  # copies: the buffer is free to reuse
+        del raw
+        self._fed += self._used
         self._used = 0
-        if self.keys.shape[0] == 0:
-            self.keys, self.counts = keys.copy(), counts
-        else:
-            self.keys, self.counts = merge_sorted_counts(self.keys, self.counts, keys, counts)
+        if release:
+            self._buffer = np.zeros(0, self.dtype)
+        wide = self._fed > self.NARROW_MAX
+        dtype = np.int64 if wide else np.int32
+        counts = counts.astype(dtype, copy=False)
+        if self.counts.dtype != dtype:
+            self.counts = self.counts.astype(dtype)
+        self.keys, self.counts = merge_sorted_counts(
+            self.keys, self.counts, keys, counts, overwrite_a=True
+        )
 
     def result(self) -> tuple[np.ndarray, np.ndarray]:
-        """(sorted distinct keys, int64 counts); releases the buffer."""
-        self._flush()
+        """(sorted distinct keys, counts: int32 or int64, see the class doc), handed over:
+        the counter lets go of them and of its buffer, and is empty afterwards."""
+        self._flush(release=True)
         self._buffer = np.zeros(0, self.dtype)
-        return self.keys, self.counts
+        keys, counts = self.keys, self.counts
+        self.keys, self.counts, self._fed = np.zeros(0, self.dtype), np.zeros(0, np.int32), 0
+        return keys, counts
 
 
 class CountsAccumulator:
@@ -260,14 +288,16 @@ def _split_layers(
     """Sorted distinct ``(l * V + j) * N + e`` keys -> L canonical CSR arrays [V, N]."""
     v, n = meta.vocab_size, meta.num_experts
     stride = v * n
+    # scipy keeps indices and indptr in one dtype: int32 wherever a layer's V x N fits
+    index = np.int32 if stride < 2**31 else np.int64
     bounds = np.searchsorted(keys, np.arange(meta.num_layers + 1, dtype=np.uint64) * stride)
     out = []
     for layer in range(meta.num_layers):
         lo, hi = int(bounds[layer]), int(bounds[layer + 1])
         local = keys[lo:hi].astype(np.int64) - layer * stride
         rows = local // n
-        cols = (local - rows * n).astype(np.int16 if n <= 32767 else np.int32)
-        indptr = np.zeros(v + 1, np.int64)
+        cols = (local - rows * n).astype(index)
+        indptr = np.zeros(v + 1, index)
         np.cumsum(np.bincount(rows, minlength=v), out=indptr[1:])
         mat = sparse.csr_array((counts[lo:hi].astype(np.int64), cols, indptr), shape=(v, n))
         mat.has_canonical_format = True

@@ -193,7 +193,7 @@ class TransitionAccumulator:
                 digits[:, col] = rest % b - 1
                 rest //= b
             keys.append(digits.astype(np.int16))
-            counts.append(c)
+            counts.append(c.astype(np.int64, copy=False))
             offsets.append(offsets[-1] + key.shape[0])
         return TopOneTransitions(
             np.concatenate(keys) if keys else np.zeros((0, _WIDTH + 1), np.int16),

@@ -22,6 +22,7 @@ a predictor compare :attr:`Predictor.fingerprint` with their trace's.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -142,21 +143,23 @@ class Predictor:
         from safetensors.numpy import save_file
 
         path = check_destination(path)
-        tensors = {
-            "affinity.safetensors": self.affinity.to_tensors(),
-            "distribution.safetensors": self.distribution.to_tensors(),
+        # Each file's arrays are built when it is written and dropped after: the affinity's
+        # packed copy of the counts is the largest, and need not live beside the others.
+        tensors: dict[str, Callable[[], dict[str, np.ndarray]]] = {
+            "affinity.safetensors": self.affinity.to_tensors,
+            "distribution.safetensors": self.distribution.to_tensors,
         }
         if self.transitions is not None:
-            tensors["transitions.safetensors"] = self.transitions.to_tensors()
+            tensors["transitions.safetensors"] = self.transitions.to_tensors
         if self.neural is not None:
-            tensors["neural.safetensors"] = self.neural.to_tensors()
+            tensors["neural.safetensors"] = self.neural.to_tensors
         if self.batches is not None:
-            tensors["batches.safetensors"] = self.batches.to_tensors()
+            tensors["batches.safetensors"] = self.batches.to_tensors
         with atomic_path(path) as tmp:
             tmp.mkdir()
             files = {}
-            for name, arrays in tensors.items():
-                save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp / name))
+            for name, build in tensors.items():
+                save_file({k: np.ascontiguousarray(v) for k, v in build().items()}, str(tmp / name))
                 files[name] = {"sha256": sha256_file(tmp / name)}
             if self.report is not None:
                 (tmp / REPORT).write_text(json.dumps(self.report, indent=2) + "\n")

@@ -80,6 +80,41 @@ def test_merge_sorted_counts_random():
         assert counts.tolist() == [want[x] for x in sorted(want)]
 
 
+def test_merge_sorted_counts_overwrite_a_matches_the_copying_merge():
+    rng = np.random.default_rng(3)
+    for _ in range(100):
+        a = np.unique(rng.integers(0, 60, rng.integers(1, 30))).astype(np.uint32)
+        b = np.unique(rng.integers(0, 60, rng.integers(1, 30))).astype(np.uint32)
+        ca, cb = rng.integers(1, 9, a.size).astype(np.int32), rng.integers(1, 9, b.size)
+        kept = ca.copy()
+        want = merge_sorted_counts(a, ca, b, cb.astype(np.int32))
+        np.testing.assert_array_equal(ca, kept)  # the default leaves a's counts alone
+        got = merge_sorted_counts(a, ca, b, cb.astype(np.int32), overwrite_a=True)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+        assert got[1].dtype == np.int32
+
+
+def test_sorted_key_counter_widens_its_counts_before_they_could_overflow(monkeypatch):
+    # int32 counts while at most NARROW_MAX keys were fed, int64 (same values) after
+    monkeypatch.setattr(SortedKeyCounter, "NARROW_MAX", 500)
+    rng = np.random.default_rng(4)
+    chunks = [rng.integers(0, 50, 200).astype(np.uint32) for _ in range(5)]
+    counter = SortedKeyCounter(np.uint32, capacity=150)
+    dtypes = []
+    for c in chunks:
+        counter.add_keys(c)
+        dtypes.append(counter.counts.dtype)
+    keys, counts = counter.result()
+    # flushes at the 2nd..5th chunk: 200, 400, 600, 800 keys fed
+    assert dtypes == [np.int32] * 3 + [np.int64] * 2 and counts.dtype == np.int64
+    want = Counter(np.concatenate(chunks).tolist())
+    assert keys.tolist() == sorted(want)
+    assert counts.tolist() == [want[x] for x in sorted(want)]
+    # handed over: the counter is empty again
+    assert counter.result()[0].size == 0
+
+
 def test_sorted_key_counter_narrow_and_wide_keys_agree():
     rng = np.random.default_rng(1)
     chunks = [rng.integers(0, 1000, 300) for _ in range(6)]
