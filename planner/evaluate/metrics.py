@@ -22,11 +22,11 @@ from dataclasses import asdict, dataclass
 from typing import Any, cast
 
 import numpy as np
-import scipy.sparse as sp
 
 from planner._progress import progress_bar
 from planner.errors import InputError
 from planner.export.bundle import Bundle, check_compatible
+from planner.predict.counts import CountsAccumulator
 from planner.runtime_shim.tables import (
     assign_with_capacity,
     balanced_capacity,
@@ -34,8 +34,9 @@ from planner.runtime_shim.tables import (
     online_candidates,
 )
 from planner.trace.io import Trace, TraceBatch
+from planner.trace.schema import TraceMeta
 
-# Routed experts held before the oracle's counts take them in (int16: 64 MB or less).
+# Raw keys the oracle's counter buffers before it sorts them in (4 bytes each: 128 MB).
 _COUNT_BUFFER = 1 << 25
 
 
@@ -86,20 +87,13 @@ class _Acc:
     """Per-layer running sums over the held-out trace."""
 
     def __init__(
-        self,
-        num_layers: int,
-        num_experts: int,
-        ep_size: int,
-        vocab: int,
-        lengths: dict[int, int],
-        *,
-        count_oracle: bool = True,
+        self, meta: TraceMeta, ep_size: int, lengths: dict[int, int], *, count_oracle: bool = True
     ):
         z = lambda *s: np.zeros(s, np.float64)  # noqa: E731
         self.request_ids = np.fromiter(sorted(lengths), np.int64, len(lengths))
         self.request_tokens = [lengths[r] for r in self.request_ids.tolist()]
         self.request_local = z(self.request_ids.size)  # balanced local activations, all layers
-        big_l, e = num_layers, ep_size
+        big_l, e = meta.num_layers, ep_size
         self.occurrences = z(big_l)
         self.local = {k: z(big_l) for k in ("token", "ngram", "online", "balanced", "vanilla")}
         self.ngram_occ = z(big_l)
@@ -108,36 +102,10 @@ class _Acc:
         self.tokens_on = {k: z(big_l, e) for k in ("online", "balanced")}
         self.expert_load = z(big_l, e)
         self.ngram_used = z(big_l)
-        self.counts = [sp.csr_array((vocab, num_experts), dtype=np.int64) for _ in range(big_l)]
-        self._pending: list[tuple[np.ndarray, np.ndarray]] = []  # (token ids, experts)
-        self._pending_keys = 0
-        self.count_oracle = count_oracle
-
-    def add_counts(self, token_id: np.ndarray, experts: np.ndarray) -> None:
-        """Count each (layer, token, routed expert) of the oracle bound: ``token_id`` [T]
-        known ids, ``experts`` [T, L, k]. Batches are held until ``_COUNT_BUFFER`` keys and
-        then added at once: adding one sparse matrix per batch re-copied all counted so far
-        (on 1M DeepSeek-V3-shaped tokens, half of the evaluation's time)."""
-        if not self.count_oracle:
-            return
-        self._pending.append((token_id, experts))
-        self._pending_keys += experts.size
-        if self._pending_keys >= _COUNT_BUFFER:
-            self.flush_counts()
-
-    def flush_counts(self) -> None:
-        if not self._pending:
-            return
-        tok = np.concatenate([t for t, _ in self._pending])
-        experts = np.concatenate([x for _, x in self._pending])
-        self._pending, self._pending_keys = [], 0
-        rows = np.repeat(tok.astype(np.int64), experts.shape[2])
-        for layer, counts in enumerate(self.counts):
-            new = sp.coo_array(
-                (np.ones(rows.size, np.int64), (rows, experts[:, layer].ravel())),
-                shape=counts.shape,
-            ).tocsr()
-            self.counts[layer] = counts + new
+        # each (layer, token, routed expert) of the oracle bound, as the fit counts them
+        self.oracle_counts = (
+            CountsAccumulator(meta, _COUNT_BUFFER, top1=False) if count_oracle else None
+        )
 
 
 def _local_and_remote(expert_device: np.ndarray, chosen: np.ndarray, ep_size: int):
@@ -236,14 +204,13 @@ def evaluate_bundle(
     cfg = config or EvalConfig()
     meta = trace.meta
     check_compatible(bundle, meta, "trace")
-    big_l, n, k, e = meta.num_layers, meta.num_experts, meta.top_k, bundle.ep_size
+    n, k, e = meta.num_experts, meta.top_k, bundle.ep_size
     spans = _RequestSpans(trace)
-    acc = _Acc(big_l, n, e, meta.vocab_size, spans.lengths(), count_oracle=oracle)
+    acc = _Acc(meta, e, spans.lengths(), count_oracle=oracle)
     with progress_bar(progress, "evaluating", trace.num_rows, unit="tokens") as advance:
         for chunk in _chunks(trace, cfg.batch_tokens):
             _evaluate_chunk(chunk, bundle, cfg, spans, acc)
             advance(len(chunk))
-    acc.flush_counts()
     return _report(acc, bundle, cfg, k, n // e)
 
 
@@ -305,18 +272,8 @@ def _evaluate_chunk(
     acc.expert_load += np.stack(
         [np.bincount(expert_device[:, i].ravel(), minlength=e) for i in range(big_l)]
     )
-    acc.add_counts(chunk.token_id[known], chunk.experts[known])
-
-
-def _oracle(counts: sp.csr_array, per_device: int) -> tuple[float, float]:
-    """(hosted, total): sum over tokens of their top-(N/E) expert counts, and all counts."""
-    rows = np.flatnonzero(np.diff(counts.indptr))
-    if rows.size == 0:
-        return 0.0, 0.0
-    dense = counts[rows].toarray()
-    take = min(per_device, dense.shape[1])
-    top = -np.partition(-dense, take - 1, axis=1)[:, :take]
-    return float(top.sum()), float(dense.sum())
+    if acc.oracle_counts is not None:
+        acc.oracle_counts.add(chunk.token_id[known], chunk.experts[known])
 
 
 def _imbalance(load: np.ndarray) -> np.ndarray:
@@ -326,9 +283,10 @@ def _imbalance(load: np.ndarray) -> np.ndarray:
 
 def _report(acc: _Acc, bundle: Bundle, cfg: EvalConfig, k: int, per_device: int) -> dict:
     occ = acc.occurrences * k
-    oracle = np.full((len(acc.counts), 2), np.nan)  # [L, 2]; NaN reports as None
-    if acc.count_oracle:
-        oracle = np.array([_oracle(c, per_device) for c in acc.counts])
+    # [L, 2] (hosted, total): per token its top-(N/E) expert counts; NaN reports as None
+    oracle = np.full((occ.shape[0], 2), np.nan)
+    if acc.oracle_counts is not None:
+        oracle = acc.oracle_counts.top_counts(per_device)
     # Every rate as (numerator, denominator) per layer: per-layer rows divide them, the
     # overall figure divides their sums (occurrence-weighted).
     ratios = {

@@ -238,18 +238,29 @@ class SortedKeyCounter:
 class CountsAccumulator:
     """Accumulates :class:`TokenExpertCounts` from trace batches, in bounded memory.
 
-    Token occurrences with ``token_id == -1`` (unknown) are skipped. Memory is the
-    distinct (layer, token, expert) triples seen plus a buffer of ``buffer_keys`` raw
-    keys (4 bytes each when L * V * N < 2**32, else 8). The rank-0 expert of each
-    occurrence is also counted on its own (``top1_by_layer``), at 1/k of the cost.
+    Token occurrences with ``token_id == -1`` (unknown) are skipped. Each layer has its own
+    :class:`SortedKeyCounter` of keys ``j * N + e`` (4 bytes when V * N < 2**32, else 8),
+    so merging a buffer into the running total copies one layer's total, not the model's.
+    Memory is the distinct (layer, token, expert) triples seen (8 bytes each with 4-byte
+    keys) plus ``buffer_keys`` raw keys shared out over the layers. With ``top1`` the
+    rank-0 expert of each occurrence is also counted on its own (``top1_by_layer``), at 1/k
+    of the cost.
     """
 
-    def __init__(self, meta: TraceMeta, buffer_keys: int = 1 << 27):
+    def __init__(self, meta: TraceMeta, buffer_keys: int = 1 << 27, *, top1: bool = True):
         self.meta = meta
         m = meta
-        self._dtype = _key_dtype(m.num_layers * m.vocab_size * m.num_experts)
-        self._counter = SortedKeyCounter(self._dtype, buffer_keys)
-        self._top1 = SortedKeyCounter(self._dtype, max(buffer_keys // m.top_k, 1))
+        self._dtype = _key_dtype(m.vocab_size * m.num_experts)
+        per_layer = max(buffer_keys // m.num_layers, 1)
+        self._counters = [SortedKeyCounter(self._dtype, per_layer) for _ in range(m.num_layers)]
+        self._top1 = (
+            [
+                SortedKeyCounter(self._dtype, max(per_layer // m.top_k, 1))
+                for _ in range(m.num_layers)
+            ]
+            if top1
+            else None
+        )
         self.tokens = 0
         self.unknown_tokens = 0
 
@@ -264,45 +275,58 @@ class CountsAccumulator:
         if t == 0:
             return
         m, dt = self.meta, self._dtype
-        # key = (l * V + token) * N + expert, built with as few full-size passes as possible.
-        row = token_id.astype(dt)[:, None] + (np.arange(m.num_layers, dtype=dt) * dt(m.vocab_size))
-        row *= dt(m.num_experts)  # [T, L]
-        slot: np.ndarray = self._counter.reserve(t * m.num_layers * m.top_k).reshape(
-            t, m.num_layers, m.top_k
-        )
-        np.add(row[:, :, None], experts, out=slot, casting="unsafe")
-        slot = self._top1.reserve(t * m.num_layers).reshape(t, m.num_layers)
-        np.add(row, experts[:, :, 0], out=slot, casting="unsafe")
+        row = token_id.astype(dt) * dt(m.num_experts)  # [T] key of (token, expert 0)
+        for layer, counter in enumerate(self._counters):
+            slot = counter.reserve(t * m.top_k).reshape(t, m.top_k)
+            np.add(row[:, None], experts[:, layer], out=slot, casting="unsafe")
+            if self._top1 is not None:
+                np.add(row, experts[:, layer, 0], out=self._top1[layer].reserve(t),
+                       casting="unsafe")  # fmt: skip
 
     def result(self) -> TokenExpertCounts:
+        """The counts as L CSR arrays (the accumulator is empty afterwards)."""
+        top1 = None
+        if self._top1 is not None:
+            top1 = tuple(_to_csr(*c.result(), self.meta) for c in self._top1)
         return TokenExpertCounts(
             self.meta,
-            _split_layers(*self._counter.result(), self.meta),
-            top1_by_layer=_split_layers(*self._top1.result(), self.meta),
+            tuple(_to_csr(*c.result(), self.meta) for c in self._counters),
+            top1_by_layer=top1,
         )
 
+    def top_counts(self, take: int) -> np.ndarray:
+        """[L, 2] float64 per layer: the sum over tokens of each token's ``take`` largest
+        expert counts, and the sum of all counts (the accumulator is empty afterwards).
 
-def _split_layers(
-    keys: np.ndarray, counts: np.ndarray, meta: TraceMeta
-) -> tuple[sparse.csr_array, ...]:
-    """Sorted distinct ``(l * V + j) * N + e`` keys -> L canonical CSR arrays [V, N]."""
+        Read from each layer's sorted keys, without the CSR arrays of :meth:`result` (the
+        oracle bound of :mod:`planner.evaluate.metrics`).
+        """
+        out = np.zeros((self.meta.num_layers, 2))
+        for layer, counter in enumerate(self._counters):
+            keys, c = counter.result()
+            if keys.shape[0] == 0:
+                continue
+            rows = keys // keys.dtype.type(self.meta.num_experts)  # sorted: a token's together
+            order = np.lexsort((-c.astype(np.int64), rows))  # each token's largest first
+            first = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]])
+            starts = np.repeat(first, np.diff(np.r_[first, rows.shape[0]]))
+            kept = np.arange(rows.shape[0]) - starts < take
+            out[layer] = c[order][kept].sum(dtype=np.int64), c.sum(dtype=np.int64)
+        return out
+
+
+def _to_csr(keys: np.ndarray, counts: np.ndarray, meta: TraceMeta) -> sparse.csr_array:
+    """One layer's sorted distinct ``j * N + e`` keys -> canonical CSR array [V, N] int64."""
     v, n = meta.vocab_size, meta.num_experts
-    stride = v * n
     # scipy keeps indices and indptr in one dtype: int32 wherever a layer's V x N fits
-    index = np.int32 if stride < 2**31 else np.int64
-    bounds = np.searchsorted(keys, np.arange(meta.num_layers + 1, dtype=np.uint64) * stride)
-    out = []
-    for layer in range(meta.num_layers):
-        lo, hi = int(bounds[layer]), int(bounds[layer + 1])
-        local = keys[lo:hi].astype(np.int64) - layer * stride
-        rows = local // n
-        cols = (local - rows * n).astype(index)
-        indptr = np.zeros(v + 1, index)
-        np.cumsum(np.bincount(rows, minlength=v), out=indptr[1:])
-        mat = sparse.csr_array((counts[lo:hi].astype(np.int64), cols, indptr), shape=(v, n))
-        mat.has_canonical_format = True
-        out.append(mat)
-    return tuple(out)
+    index = np.int32 if v * n < 2**31 else np.int64
+    rows = keys.astype(np.int64) // n
+    cols = (keys.astype(np.int64) - rows * n).astype(index)
+    indptr = np.zeros(v + 1, index)
+    np.cumsum(np.bincount(rows, minlength=v), out=indptr[1:])
+    mat = sparse.csr_array((counts.astype(np.int64), cols, indptr), shape=(v, n))
+    mat.has_canonical_format = True
+    return mat
 
 
 def counts_from_triples(

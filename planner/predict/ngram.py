@@ -110,11 +110,12 @@ class TopOneTransitions:
             raise SchemaError("transitions counts must be positive")
         # Layer l's tuple holds the top-1 expert of layer l - i in column MAX_ORDER - i: -1
         # exactly when l - i < 0. The routed expert and its rank are never negative.
-        layer = np.repeat(np.arange(off.shape[0] - 1), np.diff(off))
-        before_first = layer[:, None] < np.arange(MAX_ORDER, 0, -1)[None, :]  # [M, 3]
-        if k.size and (
-            ((k[:, :MAX_ORDER] < 0) != before_first).any() or int(k[:, MAX_ORDER:].min()) < 0
-        ):
+        # (layer by layer: one layer's temporaries, not the model's)
+        bad = any(
+            ((k[lo:hi, :MAX_ORDER] < 0) != (layer < np.arange(MAX_ORDER, 0, -1))).any()
+            for layer, (lo, hi) in enumerate(zip(off[:-1], off[1:], strict=True))
+        )
+        if k.size and (bad or int(k[:, MAX_ORDER:].min()) < 0):
             raise SchemaError(
                 "transitions tuples hold expert -1 where the layer has a previous layer, "
                 "or a negative routed expert or rank"

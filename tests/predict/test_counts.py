@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from planner.errors import InputError, SchemaError
+from planner.predict import counts as counts_module
 from planner.predict.counts import (
     CountsAccumulator,
     CountsSelection,
@@ -44,12 +45,18 @@ def as_counter(mats) -> Counter:
     return c
 
 
-@pytest.mark.parametrize("vocab", [50, 3_000_000])  # uint32 keys, then uint64 keys
-def test_accumulator_matches_naive_counting(small_meta, vocab):
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("vocab", [50, 3_000_000])
+def test_accumulator_matches_naive_counting(small_meta, vocab, wide, monkeypatch):
+    # keys are j * N + e per layer: uint32 unless V x N >= 2**32, which no test vocabulary
+    # reaches, so the uint64 keys are forced
+    if wide:
+        monkeypatch.setattr(counts_module, "_key_dtype", lambda max_key: np.uint64)
     meta = TraceMeta(
         "test/acc", small_meta.num_layers, small_meta.num_experts, small_meta.top_k, vocab
     )
     acc = CountsAccumulator(meta, buffer_keys=150)  # forces many flushes and merges
+    assert acc._counters[0].dtype == (np.uint64 if wide else np.uint32)
     batches = [random_batch(meta, 97, seed=s) for s in range(5)]
     batches[2].token_id[:10] = -1  # unknown tokens are skipped
     for b in batches:
@@ -65,6 +72,31 @@ def test_accumulator_matches_naive_counting(small_meta, vocab):
     # Row sums are k x occurrences of the token.
     occ = np.bincount(tok[tok >= 0], minlength=vocab)
     np.testing.assert_array_equal(got.token_activations()[0], meta.top_k * occ)
+
+
+@pytest.mark.parametrize("vocab", [50, 3_000_000])
+@pytest.mark.parametrize("take", [1, 3, 100])  # 100: more than any token's experts
+def test_top_counts_match_naive_counting(small_meta, vocab, take):
+    meta = TraceMeta(
+        "test/top", small_meta.num_layers, small_meta.num_experts, small_meta.top_k, vocab
+    )
+    acc = CountsAccumulator(meta, buffer_keys=150, top1=False)
+    batches = [random_batch(meta, 97, seed=s) for s in range(4)]
+    for b in batches:
+        acc.add(b.token_id, b.experts)
+    got = acc.top_counts(take)
+    naive = naive_counts(
+        np.concatenate([b.token_id for b in batches]),
+        np.concatenate([b.experts for b in batches]),
+    )
+    for layer in range(meta.num_layers):
+        rows: dict[int, list[int]] = {}
+        for (lay, j, _), c in naive.items():
+            if lay == layer:
+                rows.setdefault(j, []).append(c)
+        hosted = sum(sum(sorted(cs, reverse=True)[:take]) for cs in rows.values())
+        total = sum(sum(cs) for cs in rows.values())
+        assert got[layer].tolist() == [hosted, total]
 
 
 def test_merge_sorted_counts_random():
