@@ -34,7 +34,7 @@ from scipy import sparse
 
 from planner._checks import is_integer, is_real
 from planner.errors import InputError, MismatchError, SchemaError
-from planner.predict.counts import MAX_TOTAL_COUNT, TokenExpertCounts
+from planner.predict.counts import MAX_TOTAL_COUNT, TokenExpertCounts, csr_index_dtype
 from planner.trace.schema import TraceMeta
 
 # Unseen tokens are matched to known ones in blocks of this many rows (bounds the
@@ -451,10 +451,16 @@ def _unpack_csr(
             f"affinity {prefix}data sum to more than 2**62 (int64 sums would overflow)"
         )
     mats = []
+    index = csr_index_dtype(v, n)  # as the fit builds them
     for layer in range(big_l):
         lo, hi = int(indptr[layer, 0]), int(indptr[layer, -1])
         mat = sparse.csr_array(
-            (data[lo:hi].astype(np.int64), indices[lo:hi], indptr[layer] - lo), shape=(v, n)
+            (
+                data[lo:hi].astype(np.int64, copy=False),
+                indices[lo:hi].astype(index),
+                (indptr[layer] - lo).astype(index),
+            ),
+            shape=(v, n),
         )
         if not mat.has_sorted_indices:
             raise SchemaError(f"affinity {prefix}layer {layer}: expert ids not sorted within rows")

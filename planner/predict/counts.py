@@ -225,6 +225,11 @@ class SortedKeyCounter:
             self.keys, self.counts, keys, counts, overwrite_a=True
         )
 
+    def size(self) -> int:
+        """Distinct keys counted so far (the buffer folded in first)."""
+        self._flush()
+        return int(self.keys.shape[0])
+
     def result(self) -> tuple[np.ndarray, np.ndarray]:
         """(sorted distinct keys, counts: int32 or int64, see the class doc), handed over:
         the counter lets go of them and of its buffer, and is empty afterwards."""
@@ -315,13 +320,18 @@ class CountsAccumulator:
         return out
 
 
+def csr_index_dtype(vocab_size: int, num_experts: int) -> type[np.signedinteger]:
+    """The index dtype of a [V, N] counts array: scipy keeps indices and indptr in one
+    dtype, and int32 (half of int64) holds them wherever V x N fits."""
+    return np.int32 if vocab_size * num_experts < 2**31 else np.int64
+
+
 def _to_csr(keys: np.ndarray, counts: np.ndarray, meta: TraceMeta) -> sparse.csr_array:
     """One layer's sorted distinct ``j * N + e`` keys -> canonical CSR array [V, N] int64."""
     v, n = meta.vocab_size, meta.num_experts
-    # scipy keeps indices and indptr in one dtype: int32 wherever a layer's V x N fits
-    index = np.int32 if v * n < 2**31 else np.int64
+    index = csr_index_dtype(v, n)
     rows = keys.astype(np.int64) // n
-    cols = (keys.astype(np.int64) - rows * n).astype(index)
+    cols: np.ndarray = (keys.astype(np.int64) - rows * n).astype(index)
     indptr = np.zeros(v + 1, index)
     np.cumsum(np.bincount(rows, minlength=v), out=indptr[1:])
     mat = sparse.csr_array((counts.astype(np.int64), cols, indptr), shape=(v, n))

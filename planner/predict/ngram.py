@@ -132,9 +132,10 @@ class TopOneTransitions:
 
     def to_tensors(self) -> dict[str, np.ndarray]:
         return {
-            "keys": self.keys.astype(np.int16),
-            "counts": self.counts.astype(np.int64),
-            "layer_offsets": self.layer_offsets.astype(np.int64),
+            # no copies where the arrays already have the file's dtypes
+            "keys": self.keys.astype(np.int16, copy=False),
+            "counts": self.counts.astype(np.int64, copy=False),
+            "layer_offsets": self.layer_offsets.astype(np.int64, copy=False),
         }
 
     @classmethod
@@ -182,26 +183,24 @@ class TransitionAccumulator:
             self._counters[layer].add_keys(key.ravel())
 
     def result(self) -> TopOneTransitions:
+        """The tuples and their counts, decoded layer by layer straight into the result's
+        arrays (no second copy of them all to concatenate)."""
         b, k = self.num_experts + 1, self._top_k or 1
-        keys, counts, offsets = [], [], [0]
-        for counter in self._counters:
+        offsets = np.zeros(self.num_layers + 1, np.int64)
+        np.cumsum([c.size() for c in self._counters], out=offsets[1:])
+        keys = np.empty((int(offsets[-1]), _WIDTH + 1), np.int16)
+        counts = np.empty(int(offsets[-1]), np.int64)
+        for layer, counter in enumerate(self._counters):
             key, c = counter.result()
-            digits = np.empty((key.shape[0], _WIDTH + 1), np.int64)
+            out = keys[offsets[layer] : offsets[layer + 1]]
             rest = key.astype(np.int64)
-            digits[:, _RANK] = rest % k
+            out[:, _RANK] = rest % k
             rest //= k
             for col in range(_WIDTH - 1, -1, -1):
-                digits[:, col] = rest % b - 1
+                out[:, col] = rest % b - 1
                 rest //= b
-            keys.append(digits.astype(np.int16))
-            counts.append(c.astype(np.int64, copy=False))
-            offsets.append(offsets[-1] + key.shape[0])
-        return TopOneTransitions(
-            np.concatenate(keys) if keys else np.zeros((0, _WIDTH + 1), np.int16),
-            np.concatenate(counts) if counts else np.zeros(0, np.int64),
-            np.array(offsets, np.int64),
-            self.num_experts,
-        )
+            counts[offsets[layer] : offsets[layer + 1]] = c
+        return TopOneTransitions(keys, counts, offsets, self.num_experts)
 
 
 @dataclass(frozen=True)
