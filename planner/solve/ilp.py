@@ -146,7 +146,7 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
         with atomic_path(lp_path) as tmp:
             prog.writeLP(str(tmp))
     solve_started = time.perf_counter()
-    with _stdout_to_stderr():
+    with _solver_stdout(bool(opts["msg"])):
         prog.solve(solver)
     status = _status(prog)
     if status == "infeasible" and sub.balance == "cap":
@@ -157,7 +157,7 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
             sub, symmetry_breaking=symmetry, capacity=capacity, start=start
         )
         solve_started = time.perf_counter()
-        with _stdout_to_stderr():
+        with _solver_stdout(bool(opts["msg"])):
             prog.solve(solver)
         status = _status(prog)
     over = time.perf_counter() - solve_started - time_limit
@@ -310,23 +310,28 @@ def _tokens_in_budget(problem: LayerProblem, max_variables: int) -> np.ndarray:
 
 
 @contextlib.contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
-    """Send what is written to file descriptor 1 to descriptor 2 meanwhile: HiGHS prints its
-    banner on stdout when PuLP creates it, before any option can be set (and its child
-    process inherits the descriptor), so that ``--json`` output stays JSON."""
+def _solver_stdout(log: bool) -> Iterator[None]:
+    """Send what is written to file descriptor 1 elsewhere meanwhile: to descriptor 2 when
+    the solver's log is wanted (``msg``), else to /dev/null. HiGHS prints a licence banner
+    on stdout when PuLP creates it and again in its child process (which inherits the
+    descriptor), before any option can silence it: ``--json`` output must stay JSON, and
+    without ``msg`` the banner is only noise (two lines a layer in the README's main job)."""
     sys.stdout.flush()
     try:
         saved = os.dup(1)
     except OSError:  # no descriptor 1
         yield
         return
+    sink = None if log else os.open(os.devnull, os.O_WRONLY)
     try:
-        os.dup2(2, 1)
+        os.dup2(2 if sink is None else sink, 1)
         yield
     finally:
         sys.stdout.flush()
         os.dup2(saved, 1)
         os.close(saved)
+        if sink is not None:
+            os.close(sink)
 
 
 class _HighsWithStart(pulp.HiGHS):

@@ -272,6 +272,7 @@ def test_ilp_json_output_is_json(predictor_dir, tmp_path):
     run = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["reports"][0]["method"] == "ilp"
+    assert "HiGHS" not in run.stderr  # without "msg" the banner is not printed at all
 
 
 def test_compare_plot_time_limit_and_batch_size_are_checked_up_front(predictor_dir, capsys):
