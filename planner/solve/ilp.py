@@ -94,7 +94,7 @@ DEFAULTS: dict[str, object] = {
     "symmetry_breaking": True,
     "gap_rel": 1e-6,  # relative MIP gap at which the solver may stop and call it optimal
     "lp_path": None,  # write the program in LP format here
-    "msg": False,  # solver log on stdout
+    "msg": False,  # the solver log, on stderr (off: not even HiGHS's banner)
     "start": True,  # hand the solver a feasible placement to start from (module doc)
     "presolve": False,  # HiGHS's presolve (module doc: off proves the same optima faster)
 }
