@@ -330,8 +330,9 @@ def _to_csr(keys: np.ndarray, counts: np.ndarray, meta: TraceMeta) -> sparse.csr
     """One layer's sorted distinct ``j * N + e`` keys -> canonical CSR array [V, N] int64."""
     v, n = meta.vocab_size, meta.num_experts
     index = csr_index_dtype(v, n)
-    rows = keys.astype(np.int64) // n
-    cols: np.ndarray = (keys.astype(np.int64) - rows * n).astype(index)
+    width = keys.dtype.type(n)
+    rows = keys // width
+    cols: np.ndarray = (keys % width).astype(index)
     indptr = np.zeros(v + 1, index)
     np.cumsum(np.bincount(rows, minlength=v), out=indptr[1:])
     mat = sparse.csr_array((counts.astype(np.int64), cols, indptr), shape=(v, n))
