@@ -25,6 +25,7 @@ token's occurrences, so ``sum_e W[j, e] = top_k * a_j`` with ``a_j = token_count
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -33,6 +34,7 @@ import numpy as np
 from scipy import sparse
 
 from planner._checks import is_integer, is_real
+from planner._safetensors import Chunked, joined
 from planner.errors import InputError, MismatchError, SchemaError
 from planner.predict.counts import MAX_TOTAL_COUNT, TokenExpertCounts, csr_index_dtype
 from planner.trace.schema import TraceMeta
@@ -367,6 +369,12 @@ class TokenExpertAffinity:
         the L CSR count arrays end to end; ``top1_*`` the same for rank-0 counts (when
         known); ``nearest_known`` [V] int32.
         """
+        return {name: joined(t) for name, t in self.file_tensors().items()}
+
+    def file_tensors(self) -> dict[str, np.ndarray | Chunked]:
+        """:meth:`to_tensors` with ``indices`` and ``data`` left as their layers' arrays
+        (:class:`Chunked`): the largest arrays of a predictor, written end to end by
+        :func:`planner._safetensors.save_tensors` without joining them in memory."""
         self._check_fitted()
         out = _pack_csr(self.counts_, "")
         if self.top1_counts_ is not None:
@@ -407,16 +415,20 @@ def _values_at(mat: sparse.csr_array, keys: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
-def _pack_csr(mats: tuple[sparse.csr_array, ...], prefix: str) -> dict[str, np.ndarray]:
+def _pack_csr(mats: tuple[sparse.csr_array, ...], prefix: str) -> dict[str, np.ndarray | Chunked]:
     offsets = np.cumsum([0] + [c.nnz for c in mats])
-    return {
+    out: dict[str, np.ndarray | Chunked] = {
         f"{prefix}indptr": np.stack(
             [c.indptr.astype(np.int64) + o for c, o in zip(mats, offsets, strict=False)]
-        ),
-        # one copy each (the file needs them end to end), not a second one to cast
-        f"{prefix}indices": np.concatenate([c.indices.astype(np.int16, copy=False) for c in mats]),
-        f"{prefix}data": np.concatenate([c.data.astype(np.int64, copy=False) for c in mats]),
+        )
     }
+    for name, dtype in (("indices", np.int16), ("data", np.int64)):
+        # one layer cast at a time (a copy only where its dtype differs)
+        def parts(name: str = name, dtype: type = dtype) -> Iterator[np.ndarray]:
+            return (getattr(c, name).astype(dtype, copy=False) for c in mats)
+
+        out[prefix + name] = Chunked(np.dtype(dtype), (int(offsets[-1]),), parts)
+    return out
 
 
 def _unpack_csr(

@@ -22,7 +22,7 @@ a predictor compare :attr:`Predictor.fingerprint` with their trace's.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +30,7 @@ import numpy as np
 
 from planner import __version__
 from planner._io import atomic_path, check_output, sha256_file
+from planner._safetensors import Chunked, save_tensors
 from planner.errors import InputError, MismatchError, SchemaError
 from planner.predict.affinity import TokenExpertAffinity
 from planner.predict.batches import BatchMix
@@ -140,13 +141,11 @@ class Predictor:
 
     def save(self, path: str | Path) -> Path:
         """Write the predictor directory at ``path`` atomically (replacing an older predictor)."""
-        from safetensors.numpy import save_file
-
         path = check_destination(path)
-        # Each file's arrays are built when it is written and dropped after: the affinity's
-        # packed copy of the counts is the largest, and need not live beside the others.
-        tensors: dict[str, Callable[[], dict[str, np.ndarray]]] = {
-            "affinity.safetensors": self.affinity.to_tensors,
+        # Each file's arrays are built when it is written and dropped after, and the counts
+        # (the largest) are written layer by layer, never joined (planner._safetensors).
+        tensors: dict[str, Callable[[], Mapping[str, np.ndarray | Chunked]]] = {
+            "affinity.safetensors": self.affinity.file_tensors,
             "distribution.safetensors": self.distribution.to_tensors,
         }
         if self.transitions is not None:
@@ -159,7 +158,7 @@ class Predictor:
             tmp.mkdir()
             files = {}
             for name, build in tensors.items():
-                save_file({k: np.ascontiguousarray(v) for k, v in build().items()}, str(tmp / name))
+                save_tensors(tmp / name, build())
                 files[name] = {"sha256": sha256_file(tmp / name)}
             if self.report is not None:
                 (tmp / REPORT).write_text(json.dumps(self.report, indent=2) + "\n")
