@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import TypeGuard
 
 import numpy as np
 
@@ -12,9 +13,9 @@ def is_integer(value: object) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
-def is_real(value: object) -> bool:
-    """A Python or numpy real number, not a bool."""
-    return isinstance(value, int | float | np.number) and not isinstance(value, bool)
+def is_real(value: object) -> TypeGuard[int | float | np.integer | np.floating]:
+    """A Python or numpy real number: not a bool, not a complex number."""
+    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
 
 
 def is_finite_number(value: object) -> bool:

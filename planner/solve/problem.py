@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 from scipy import sparse
 
+from planner._checks import is_real
 from planner.errors import InfeasibleError, InputError, MismatchError
 
 BALANCE_MODES = ("cap", "penalty")
@@ -376,10 +377,7 @@ def check_expert_beta(expert_beta: float | None) -> None:
     """InputError unless ``expert_beta`` is None or a finite number >= 1 (not a bool)."""
     if expert_beta is None:
         return
-    number = isinstance(expert_beta, int | float | np.floating) and not isinstance(
-        expert_beta, bool
-    )
-    if not (number and np.isfinite(expert_beta) and expert_beta >= 1):
+    if not (is_real(expert_beta) and np.isfinite(expert_beta) and expert_beta >= 1):
         raise InputError(f"expert_beta={expert_beta} must be a finite number >= 1 (or none)")
 
 

@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from planner._checks import is_integer
+from planner._checks import is_integer, is_real
 from planner._io import atomic_path
 from planner._progress import progress_bar
 from planner.errors import InputError
@@ -173,11 +173,7 @@ class SynthConfig:
 
 
 def _is_real(value: object) -> bool:
-    return (
-        isinstance(value, int | float | np.integer | np.floating)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-    )
+    return is_real(value) and math.isfinite(value)
 
 
 DEEPSEEK_V3 = SynthConfig(

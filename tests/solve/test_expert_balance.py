@@ -180,7 +180,7 @@ def test_bad_caps_are_refused():
     problem = random_problem(50, 8, 2, seed=0)
     with pytest.raises(InputError, match="expert_beta"):
         cap_expert_load(problem, solve_layer(problem, "kmeans"), 0.9)
-    for bad in (float("nan"), float("inf"), True, "1.2"):
+    for bad in (float("nan"), float("inf"), True, "1.2", np.complex128(1.2)):
         with pytest.raises(InputError, match="expert_beta"):
             PlanConfig(expert_beta=bad)
 

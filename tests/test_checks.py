@@ -1,0 +1,30 @@
+"""The shared argument checks: what counts as an integer or a real number."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from planner._checks import is_finite_number, is_integer, is_real
+
+NOT_NUMBERS = (True, np.bool_(True), "1", None, [1], 1j, np.complex64(1), np.complex128(1.5))
+
+
+@pytest.mark.parametrize("value", (0, -3, np.int8(2), np.uint64(7)))
+def test_integers(value):
+    assert is_integer(value) and is_real(value)
+
+
+@pytest.mark.parametrize("value", (0.5, float("nan"), np.float16(1), np.float64(-2.5)))
+def test_reals_that_are_not_integers(value):
+    assert is_real(value) and not is_integer(value)
+
+
+@pytest.mark.parametrize("value", NOT_NUMBERS)
+def test_bools_complex_and_others_are_neither(value):
+    assert not is_integer(value) and not is_real(value) and not is_finite_number(value)
+
+
+def test_finite_number_is_a_plain_finite_int_or_float():
+    assert is_finite_number(3) and is_finite_number(0.25)
+    assert not is_finite_number(float("inf")) and not is_finite_number(float("nan"))
