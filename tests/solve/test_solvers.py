@@ -157,6 +157,20 @@ def test_ceo_work_budget_does_not_look_at_the_clock(monkeypatch) -> None:
     assert more.info["iterations"] > fast.info["iterations"]
 
 
+@pytest.mark.parametrize("e", [1, 8])
+def test_ceo_with_one_expert_a_device_does_not_search(e: int) -> None:
+    # every placement is then a relabelling of every other: CEO goes straight to its polish
+    # and still scores at least every baseline (which search in vain)
+    problem = random_problem(300, 8, e, top_k=2, seed=4, noise=0.3)
+    p = solve_layer(problem, "ceo", SolverConfig(seed=1))
+    assert p.info["search_skipped"] and p.info["iterations"] == 0
+    np.testing.assert_array_equal(p.expert_to_device, np.arange(8) // (8 // e))
+    for method in ("metis", "kmeans", "alternating"):
+        assert p.objective >= solve_layer(problem, method, SolverConfig(seed=1)).objective
+    searched = solve_layer(random_problem(300, 8, 4, top_k=2, seed=4), "ceo", config())
+    assert not searched.info["search_skipped"] and searched.info["iterations"] > 0
+
+
 @pytest.mark.parametrize("method", HEURISTICS)
 def test_planted_clusters_are_recovered(method: str) -> None:
     problem = random_problem(400, 16, 4, top_k=2, seed=7, clusters=4, noise=0.02)
