@@ -226,13 +226,16 @@ def _partitions(items, e, per):
 def ilp_reference(data: dict, seed: int, quick: bool) -> dict:
     """Solvers against proven optima of the exact program on small instances.
 
-    Instances: random ones (12-16 tokens, 8 experts, EP 2 or 4, Zipf frequencies, top-2
-    with noise) and real ones (the 24 most frequent tokens of a Mixtral layer, one domain).
+    Instances: random ones (12-16 tokens, 8 experts, EP 2, 4 or 8, Zipf frequencies, top-2
+    with noise) and real ones (the 24 most frequent tokens of a Mixtral layer, one domain;
+    EP 2, 4 and 8).
     """
     rng = np.random.default_rng(seed)
     instances = []
-    for i in range(6 if quick else 20):
-        j, ep = int(rng.integers(12, 17)), (2, 4)[i % 2]
+    # EP 2 and 4 alternately, then a few at EP 8: one expert a device, where only the token
+    # assignment counts (and tokens heavier than the cap need the slack rule)
+    for i in range(8 if quick else 26):
+        j, ep = int(rng.integers(12, 17)), ((2, 4)[i % 2] if i < (6 if quick else 20) else 8)
         freq = np.maximum(1, np.round(6 / np.arange(1, j + 1) ** 0.5))
         rows, cols = [], []
         for t in range(j):
@@ -250,7 +253,7 @@ def ilp_reference(data: dict, seed: int, quick: bool) -> dict:
             ids, w = to_matrix(*domains[domain], 8)
             a = np.asarray(w.sum(axis=1)).ravel() / 2
             keep = np.sort(np.argsort(-a, kind="stable")[:24])
-            for ep in (2, 4):
+            for ep in (2, 4, 8):
                 instances.append(
                     (f"Mixtral L{layer} {domain} top24 EP{ep}", LayerProblem(w[keep], a[keep], ep))
                 )

@@ -92,7 +92,8 @@ def assign_tokens(
     alone loses 2-3%). Zero-frequency tokens take their best device. Tiny problems (at most
     ``_EXACT_ENTRIES`` token x device entries, where heavy tokens make the greedy's
     integrality losses large) are solved exactly by a 0-1 program instead; if no assignment
-    fits the capacities, the steps above apply (with the overflow rule).
+    fits the capacities, by the same program with one maximal token of slack (as the ILP
+    solver does), and if none fits that either, the steps above apply (with the overflow rule).
     """
     gain = np.asarray(gain, dtype=np.float64)
     freq = np.asarray(freq, dtype=np.float64)
@@ -110,6 +111,10 @@ def assign_tokens(
     if exact and 0 < busy.size * e <= _EXACT_ENTRIES and np.isfinite(room).all():
         charge(effort, "assign_exact")
         solved = _assign_exact(gain[busy], freq[busy], room)
+        if solved is None:
+            # no assignment fits the cap: allow one maximal token above it, the slack rule
+            # of planner.solve.problem and what the ILP falls back to (planner.solve.ilp)
+            solved = _assign_exact(gain[busy], freq[busy], room + freq[busy].max())
         if solved is not None:
             token_to_device[busy] = solved
             return Assignment(token_to_device, price)

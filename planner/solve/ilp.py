@@ -50,7 +50,7 @@ now ends after 73 s with the same placement. ``info["seconds_over_limit"]`` repo
 overrun beyond a second.
 
 Presolve: HiGHS runs without its presolve (``presolve``, off by default). On the 32 small
-instances of ``benchmarks/solve_quality.py --sections ilp`` both settings prove the same
+EP 2 and 4 instances of ``benchmarks/solve_quality.py --sections ilp`` both settings prove the same
 optima, without it in 103 s in all (the slowest 15 s) instead of 288 s (59 s), run side by
 side. It also keeps HiGHS near its time limit: under a 10 s limit the example's layer 0
 (EP 4 and 8, default ``max_variables``) takes 13.4 s and 14.0 s in all instead of 48 s and 65 s,

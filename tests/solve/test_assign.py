@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import warnings
 
 import numpy as np
@@ -47,6 +48,25 @@ def test_token_that_fits_nowhere_goes_to_the_emptiest_device() -> None:
     # the heavy token exceeds the cap alone; the slack rule bounds every load
     assert loads.max() <= 6.0 + freq.max()
     assert sorted(loads.tolist()) in ([6.0, 10.0], [3.0, 13.0])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tiny_assignment_the_cap_cannot_hold_is_optimal_under_the_slack_rule(seed: int) -> None:
+    # a token heavier than the cap: no assignment meets it, and the exact path then solves
+    # the ILP's fallback (loads <= cap + the heaviest token) to its optimum, not the greedy
+    rng = np.random.default_rng(seed)
+    gain = rng.integers(0, 6, (6, 3)).astype(float)
+    freq = np.array([7.0, 2.0, 2.0, 1.0, 1.0, 1.0])
+    cap = 1.1 * freq.sum() / 3  # 5.13 < 7
+    t = assign.assign_tokens(gain, freq, cap).token_to_device
+    rows = np.arange(6)
+    best = max(
+        gain[rows, np.array(c)].sum()
+        for c in itertools.product(range(3), repeat=6)
+        if np.bincount(c, weights=freq, minlength=3).max() <= cap + freq.max()
+    )
+    assert gain[rows, t].sum() == best
+    assert np.bincount(t, weights=freq, minlength=3).max() <= cap + freq.max()
 
 
 def _token_major_prices(gain, freq, room, prices, sweeps, damping=0.5):

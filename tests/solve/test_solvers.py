@@ -110,7 +110,7 @@ def _tiny(seed: int, e: int) -> LayerProblem:
     return random_problem(12, 8, e, top_k=2, seed=seed, max_freq=6, zipf=0.5, noise=0.3)
 
 
-@pytest.mark.parametrize("seed,e", [(0, 2), (1, 2), (2, 4), (3, 4), (4, 4)])
+@pytest.mark.parametrize("seed,e", [(0, 2), (1, 2), (2, 4), (3, 4), (4, 4), (5, 8), (6, 8)])
 def test_ceo_within_3_percent_of_the_proven_optimum(seed: int, e: int) -> None:
     problem = _tiny(seed, e)
     exact = solve_layer(problem, "ilp", SolverConfig(time_limit=60))
