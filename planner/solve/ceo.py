@@ -531,12 +531,8 @@ def _solve_improved(
     # labels, so there is nothing to search; the candidate is the contiguous placement.
     skipped = problem.experts_per_device == 1 or problem.ep_size == 1
     if skipped:
-        candidates, tokens, its, cut = (
-            [np.arange(problem.num_experts) // problem.experts_per_device],
-            [None],
-            (0, 0),
-            False,
-        )
+        candidates = [np.arange(problem.num_experts) // problem.experts_per_device]
+        tokens, its, cut = [None], (0, 0), False
     elif opts["assign_tokens"]:
         candidates, its, cut = _cross_entropy_experts(
             problem, opts, rng, num_samples, iterations, search_stop, effort,
