@@ -243,10 +243,16 @@ def compare(
     if as_json:
         console.print_json(json.dumps(result))
         return
-    console.print(comparison_table(result, f"held-out {heldout}, EP {ep}"))
+    note = None
+    if ep == pred.meta.num_experts:
+        note = (
+            "with one expert a device every placement is a relabelling of every other: the "
+            "methods differ only in their token tables"
+        )
+    console.print(comparison_table(result, f"held-out {heldout}, EP {ep}", note))
 
 
-def comparison_table(result: dict, title: str) -> Table:
+def comparison_table(result: dict, title: str, note: str | None = None) -> Table:
     table = Table(title=title, title_justify="left")
     cols = [("method", "method"), ("lar_balanced", "LAR bal."), ("lar", "LAR"), ("lar_token", "token"),
             ("lar_ngram", "n-gram"), ("token_imbalance_balanced", "tok.imb."), ("expert_load_imbalance", "exp.imb."),
@@ -268,6 +274,6 @@ def comparison_table(result: dict, title: str) -> Table:
     table.caption = (
         f"per-token oracle bound {fmt(bound)}; positional vanilla LAR {fmt(van)}; best baseline "
         f"{result['best_baseline']}; 90% CI: paired bootstrap of the ratio over the "
-        f"{result['requests']} held-out requests"
+        f"{result['requests']} held-out requests" + (f"; {note}" if note else "")
     )
     return table

@@ -150,7 +150,11 @@ def test_cli_chain(pipeline, tmp_path, capsys):
     held, fit = str(d / "held"), str(d / "fit")
     args = ["compare", str(pred), held, "--ep", "2", "--methods", "kmeans", "--fitting", fit]
     assert main(args) == 0
-    assert "fit. bal." in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "fit. bal." in out and "relabelling" not in out
+    # at one expert a device the caption says that only the token tables differ
+    assert main(["compare", str(pred), held, "--ep", "8", "--methods", "ceo,vanilla"]) == 0
+    assert "relabelling" in " ".join(capsys.readouterr().out.split())
     other = synthesize(SynthConfig(**(SYNTH.__dict__ | {"model": "other"})), tmp_path / "o")
     assert main(args[:-1] + [str(other)]) == 2
     assert "fitting trace" in capsys.readouterr().err
