@@ -382,7 +382,10 @@ def _place_heavy(
 
     Each goes to its best adjusted device (``gain - freq * price``) among those it fits on;
     among (near-)ties the device with the most room beyond the light tokens' ``demand``; a
-    token that fits nowhere takes the device with the most room. Updates ``room``. Plain
+    token that fits nowhere takes the device with the most room (of devices level on room,
+    the one it gains most on: at the start all are level, and the first by index would
+    send a Zipf head heavier than any device's capacity to device 0, 1, ... whatever its
+    experts). Updates ``room``. Plain
     Python floats (the same IEEE arithmetic as numpy's): per token, numpy's call overhead
     on E values cost several times the work.
 
@@ -415,8 +418,9 @@ def _place_heavy(
                 d = max(
                     (d for d in fits if values[d] >= cut), key=lambda d: (left[d] - demand[d], -d)
                 )
-            else:
-                d = left.index(max(left))
+            else:  # the most room; among devices level on room, where it gains most
+                most = max(left) - tol
+                d = max((d for d in devices if left[d] >= most), key=lambda d: (values[d], -d))
         out.append(d)
         left[d] -= f
     room[:] = left

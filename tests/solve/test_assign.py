@@ -69,6 +69,25 @@ def test_tiny_assignment_the_cap_cannot_hold_is_optimal_under_the_slack_rule(see
     assert np.bincount(t, weights=freq, minlength=3).max() <= cap + freq.max()
 
 
+def test_tokens_heavier_than_any_room_go_where_they_gain_most_among_the_emptiest() -> None:
+    # At large EP the hottest tokens outweigh a device's capacity (a Zipf head at EP 256).
+    # Each still takes a device with the most room, but of those the one holding its
+    # experts, not the first by index: the result must not depend on the devices' labels.
+    rng = np.random.default_rng(0)
+    e, j = 16, 400
+    freq = np.concatenate([[500.0, 400.0, 300.0], rng.integers(1, 4, j - 3).astype(float)])
+    home = rng.integers(0, e, j)
+    gain = np.where(np.arange(e)[None, :] == home[:, None], freq[:, None], 0.0)
+    cap = 1.1 * freq.sum() / e  # about 110: the three hot tokens fit nowhere
+    values = []
+    for perm in (np.arange(e), rng.permutation(e), rng.permutation(e)):
+        g = gain[:, perm]
+        t = assign.assign_tokens(g, freq, cap).token_to_device
+        assert [g[i, t[i]] for i in range(3)] == [500.0, 400.0, 300.0]  # each on its home
+        values.append(g[np.arange(j), t].sum())
+    assert values[0] == values[1] == values[2]
+
+
 def _token_major_prices(gain, freq, room, prices, sweeps, damping=0.5):
     """dual_prices as first written, token by token ([J, E]): the reference it must equal."""
     num_tokens, e = gain.shape
