@@ -64,7 +64,8 @@ def save_tensors(path: str | Path, tensors: Mapping[str, np.ndarray | Chunked]) 
     header, sizes, offset = {}, [], 0
     for name, dtype_name, shape, dtype in entries:
         sizes.append(math.prod(shape) * dtype.itemsize)
-        header[name] = {"dtype": dtype_name, "shape": shape, "data_offsets": [offset, offset + sizes[-1]]}  # fmt: skip
+        span = [offset, offset + sizes[-1]]
+        header[name] = {"dtype": dtype_name, "shape": shape, "data_offsets": span}
         offset += sizes[-1]
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     text += b" " * (-len(text) % 8)

@@ -335,7 +335,7 @@ def _to_csr(keys: np.ndarray, counts: np.ndarray, meta: TraceMeta) -> sparse.csr
     cols: np.ndarray = (keys % width).astype(index)
     indptr = np.zeros(v + 1, index)
     np.cumsum(np.bincount(rows, minlength=v), out=indptr[1:])
-    mat = sparse.csr_array((counts.astype(np.int64), cols, indptr), shape=(v, n))
+    mat = sparse.csr_array((counts.astype(np.int64, copy=False), cols, indptr), shape=(v, n))
     mat.has_canonical_format = True
     return mat
 

@@ -26,12 +26,13 @@ Only token rows count towards the load (``token_freq > 0``; the n-gram term's lo
 context rows stand for the same occurrences again), but the swaps' costs count every row
 of the problem, so with the n-gram term (:mod:`planner.solve.ngram_term`) they weigh the
 layer's n-gram table too, as the solvers did (pricing them on the token rows alone is level
-with this on the real held-out traces, ``benchmarks/RESULTS.md``). ``SolverConfig.expert_beta`` (``PlanConfig.expert_beta``,
-``--expert-beta``) applies it to every method but vanilla, as the token balance is, so the
-comparison stays fair: :func:`planner.solve.registry.solve_layer` caps each layer's result
-as it is solved, so the layers after it take their n-gram contexts from the capped
-placement. Searching under the cap does better than capping afterwards, and the searches
-that can do so keep to an :class:`ExpertLimit`:
+with this on the real held-out traces, ``benchmarks/RESULTS.md``).
+``SolverConfig.expert_beta`` (``PlanConfig.expert_beta``, ``--expert-beta``) applies it to
+every method but vanilla, as the token balance is, so the comparison stays fair:
+:func:`planner.solve.registry.solve_layer` caps each layer's result as it is solved, so the
+layers after it take their n-gram contexts from the capped placement. Searching under the
+cap does better than capping afterwards, and the searches that can do so keep to an
+:class:`ExpertLimit`:
 
 - CEO (:mod:`planner.solve.ceo`, improved variant, its ``expert_cap`` option) brings every
   sampled placement under it (:meth:`ExpertLimit.repair`, the peak-lowering swaps above)
