@@ -346,7 +346,7 @@ def _regret_fill(
         fits = f[:, None] <= room[None, :] + tol
         stuck = ~fits.any(axis=1)
         if stuck.any():
-            _place_overflow(pending[stuck], freq, room, out)
+            _place_overflow(pending[stuck], gain, freq, room, out, tol)
             pending, f, fits = pending[~stuck], f[~stuck], fits[~stuck]
             if pending.size == 0:
                 break
@@ -371,7 +371,7 @@ def _regret_fill(
             out[j] = d
             room[d] -= freq[j]
         else:
-            _place_overflow(np.array([j]), freq, room, out)
+            _place_overflow(np.array([j]), gain, freq, room, out, tol)
     return out
 
 
@@ -434,11 +434,22 @@ def _room_rank(room: np.ndarray) -> np.ndarray:
 
 
 def _place_overflow(
-    tokens: np.ndarray, freq: np.ndarray, room: np.ndarray, out: np.ndarray
+    tokens: np.ndarray,
+    gain: np.ndarray,
+    freq: np.ndarray,
+    room: np.ndarray,
+    out: np.ndarray,
+    tol: float,
 ) -> None:
-    """Tokens that fit nowhere: heaviest first, each to the device with the most room."""
+    """Tokens that fit nowhere: heaviest first, each to the device with the most room.
+
+    Among devices level on room (within ``tol``) the token takes the one it gains most on, as
+    :func:`_place_heavy` does: the first by index would make the result depend on the
+    devices' labels.
+    """
     for j in tokens[np.argsort(-freq[tokens], kind="stable")]:
-        d = int(room.argmax())
+        level = np.flatnonzero(room >= room.max() - tol)
+        d = int(level[gain[j, level].argmax()])
         out[j] = d
         room[d] -= freq[j]
 

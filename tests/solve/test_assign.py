@@ -88,6 +88,21 @@ def test_tokens_heavier_than_any_room_go_where_they_gain_most_among_the_emptiest
     assert values[0] == values[1] == values[2]
 
 
+def test_light_tokens_that_fit_nowhere_take_the_emptiest_device_they_gain_most_on() -> None:
+    # The regret greedy's overflow rule: heaviest first, each to a device with the most room
+    # and, among devices level on room, to the one it gains most on (not the first by index).
+    gain = np.array([[0.0, 1.0, 5.0, 2.0], [3.0, 0.0, 0.0, 9.0], [4.0, 0.0, 0.0, 1.0]])
+    freq = np.array([2.0, 1.0, 3.0])
+    for perm in (np.arange(4), np.array([2, 0, 3, 1])):
+        room = np.array([1.0, 0.0, 1.0, 1.0])[perm]
+        out = np.full(3, -1)
+        assign._place_overflow(np.arange(3), gain[:, perm], freq, room, out, tol=1e-9)
+        # token 2 (heaviest) takes device 0 of {0, 2, 3}; then token 0 takes 2 of {2, 3};
+        # then token 1 takes 3, the only device left with the most room
+        assert perm[out].tolist() == [2, 3, 0]
+        assert np.allclose(room, np.array([-2.0, 0.0, -1.0, 0.0])[perm])
+
+
 def _token_major_prices(gain, freq, room, prices, sweeps, damping=0.5):
     """dual_prices as first written, token by token ([J, E]): the reference it must equal."""
     num_tokens, e = gain.shape
