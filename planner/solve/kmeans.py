@@ -62,7 +62,7 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
             break
         restarts += 1
         labels, inertia, iters = balanced_kmeans(
-            features, problem.ep_size, rng, max_iter=int(opts["max_iter"])
+            features, problem.ep_size, rng, max_iter=int(opts["max_iter"]), deadline=deadline
         )
         runs.setdefault(
             canonical_labels(labels, problem.ep_size).tobytes(), (inertia, labels, iters)
@@ -106,9 +106,18 @@ def expert_profiles(problem: LayerProblem, profile: str = "coactivation") -> np.
 
 
 def balanced_kmeans(
-    features: np.ndarray, parts: int, rng: np.random.Generator, *, max_iter: int = 50
+    features: np.ndarray,
+    parts: int,
+    rng: np.random.Generator,
+    *,
+    max_iter: int = 50,
+    deadline: float | None = None,
 ) -> tuple[np.ndarray, float, int]:
     """Exactly balanced k-means: [N, D] points into ``parts`` groups of N / parts.
+
+    Stops after ``max_iter`` rounds, when no label changes, or after the first round that
+    ends past ``deadline`` (a ``time.perf_counter()`` value; with thousands of experts a
+    round's [N, N] linear assignment takes seconds).
 
     Returns (labels [N] int64, inertia = sum of squared distances to the group means, rounds).
     """
@@ -116,9 +125,11 @@ def balanced_kmeans(
     per = n // parts
     centroids = _kmeanspp(features, parts, rng)
     labels = np.full(n, -1, dtype=np.int64)
+    dist = np.empty((n, parts))
     rounds = 0
     for rounds in range(1, max_iter + 1):  # noqa: B007
-        dist = ((features[:, None, :] - centroids[None, :, :]) ** 2).sum(-1)  # [N, E]
+        for c in range(parts):  # column by column: an [N, E, D] difference is N x E x D floats
+            dist[:, c] = ((features - centroids[c]) ** 2).sum(-1)
         rows, slots = linear_sum_assignment(np.repeat(dist, per, axis=1))
         new = np.empty(n, dtype=np.int64)
         new[rows] = slots // per
@@ -126,6 +137,8 @@ def balanced_kmeans(
             break
         labels = new
         centroids = np.stack([features[labels == c].mean(axis=0) for c in range(parts)])
+        if deadline is not None and time.perf_counter() > deadline:
+            break
     inertia = float(((features - centroids[labels]) ** 2).sum())
     return labels, inertia, rounds
 

@@ -337,6 +337,29 @@ def test_cbc_is_stopped_at_its_deadline_too(tmp_path, monkeypatch) -> None:
         )
 
 
+def test_kmeans_stops_its_rounds_at_the_deadline(monkeypatch) -> None:
+    """With thousands of experts a k-means round's [N, N] linear assignment takes seconds
+    (4096 experts: a 5 s limit ran past 10 minutes): a round that ends past the deadline is
+    the last, even in the first restart, and the clustering it holds is still balanced."""
+    from planner.solve import kmeans
+
+    calls = []
+    lsa = kmeans.linear_sum_assignment
+
+    def counted(cost):
+        calls.append(cost.shape)
+        return lsa(cost)
+
+    monkeypatch.setattr(kmeans, "linear_sum_assignment", counted)
+    problem = random_problem(300, 16, 4, top_k=2, seed=3)
+    p = solve_layer(problem, "kmeans", SolverConfig(time_limit=1e-9))
+    assert len(calls) == 1 and p.info["restarts_run"] == 1 and p.info["iterations"] == 1
+    assert np.bincount(p.expert_to_device, minlength=4).tolist() == [4] * 4
+    calls.clear()
+    solve_layer(problem, "kmeans", SolverConfig(time_limit=None))
+    assert len(calls) > 16  # without a limit: every restart, each to convergence
+
+
 def test_ilp_is_stopped_at_its_deadline_and_keeps_its_start(tmp_path, monkeypatch) -> None:
     """HiGHS checks its time limit only between phases: the example's layer 0 at EP 4 ran 431
     s under a 60 s limit (root cut separation). HiGHS now runs in a child process killed at
