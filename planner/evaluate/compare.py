@@ -83,6 +83,8 @@ def compare_methods(
         predictor.check_compatible(fitting.meta, "fitting trace")
     if not heldout.num_rows:
         raise InputError(f"held-out trace {heldout.path} holds no tokens; nothing to compare on")
+    if fitting is not None and not fitting.num_rows:
+        raise InputError(f"fitting trace {fitting.path} holds no tokens; nothing to score on")
     eval_config = dataclasses.replace(eval_config or EvalConfig(), per_request=True)
     rows: list[dict] = []
     per_request = {}

@@ -69,10 +69,15 @@ def plot_comparison(result: dict, dest: str | os.PathLike, title: str = "") -> P
             ax.annotate(f"{ratio:.3f}x", (bar.get_x() + bar.get_width() / 2, top),
                         ha="center", va="bottom", fontsize=8, xytext=(0, 4),
                         textcoords="offset points")  # fmt: skip
-    ax.axhline(result["oracle_bound"], color="#55a868", ls="--", label="per-token oracle bound")
-    ax.axhline(result["lar_vanilla"], color="#c44e52", ls=":", label="positional vanilla")
+    # either line is None where nothing defines it (the bound: no held-out token id is known)
+    lines = [(result.get("oracle_bound"), "#55a868", "--", "per-token oracle bound"),
+             (result.get("lar_vanilla"), "#c44e52", ":", "positional vanilla")]  # fmt: skip
+    for value, color, ls, label in lines:
+        if value is not None:
+            ax.axhline(value, color=color, ls=ls, label=label)
     ax.set_ylabel("local activation rate (held out)")
-    ax.set_ylim(0, 1.3 * max(result["oracle_bound"], *(r["lar"] for r in rows)))  # legend room
+    top = max([r["lar"] for r in rows] + [v for v, *_ in lines if v is not None], default=0.0)
+    ax.set_ylim(0, 1.3 * top if top > 0 else 1.0)  # legend room
     ax.set_title(title or f"EP {result['ep_size']}: ratio to the best baseline above each bar")
     ax.legend(fontsize=8, loc="upper right")
     return _save(fig, dest)

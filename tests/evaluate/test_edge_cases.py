@@ -116,6 +116,10 @@ def test_compare_on_an_empty_heldout_trace_is_one_line(tmp_path, capsys):
         ["compare", str(tmp_path / "pred"), str(held), "--ep", "2", "--methods", "kmeans,metis"]
     )
     _one_line_error(capsys, rc, "holds no tokens")
+    # an empty --fitting trace alike (its column was null, exit 0)
+    rc = main(["compare", str(tmp_path / "pred"), str(trace), "--ep", "2", "--methods",
+               "kmeans", "--fitting", str(held)])  # fmt: skip
+    _one_line_error(capsys, rc, "holds no tokens; nothing to score on")
     # evaluate alike (it printed a table of "-" and exited 0)
     plan = tmp_path / "plan"
     assert main(["solve", str(tmp_path / "pred"), "--ep", "2", "--method", "vanilla",

@@ -24,13 +24,14 @@ def test_evaluation_figure(tmp_path, suffix):
     assert [p.name for p in out.parent.iterdir()] == [out.name]  # no temporary left
 
 
-def test_comparison_figure(tmp_path):
+@pytest.mark.parametrize("bound", [0.85, None])  # None: no held-out token id is known
+def test_comparison_figure(tmp_path, bound):
     rows = [
         {"method": "ceo", "lar_balanced": 0.45, "lar": 0.51, "ratio_to_best_baseline": 1.02},
         {"method": "kmeans", "lar_balanced": 0.44, "lar": 0.53, "ratio_to_best_baseline": 1.0},
         {"method": "vanilla", "lar_balanced": 0.29, "lar": 0.36, "ratio_to_best_baseline": None},
     ]
-    result = {"rows": rows, "oracle_bound": 0.85, "lar_vanilla": 0.25, "ep_size": 4}
+    result = {"rows": rows, "oracle_bound": bound, "lar_vanilla": 0.25, "ep_size": 4}
     out = plot_comparison(result, tmp_path / "cmp.png")
     assert out.read_bytes().startswith(MAGIC[".png"]) and out.stat().st_size > 10_000
 
