@@ -120,14 +120,17 @@ def solve(
         "--expert-beta",
         help="Cap each device's expert load (the routed activations its experts process) at "
         "this multiple of the mean (e.g. 1.25; default: unbounded): CEO searches under it, "
-        "the other methods are brought under it by expert swaps after they solve. "
-        "Co-activated hot experts grouped for locality load their device.",
+        "the other methods are brought under it by expert swaps after they solve (not "
+        "vanilla, the contiguous layout); where swaps cannot reach it, the lowest peak they "
+        "find, with a note. Co-activated hot experts grouped for locality load their device.",
     ),
     options: str = typer.Option(None, "--options", help="Per-method solver options as JSON."),
     as_json: bool = typer.Option(False, "--json", help="Print the per-layer reports as JSON."),
 ) -> None:
     """Place every layer's experts on E devices and give every token a device."""
     check_plan_output(out, inputs=(predictor,))  # before the work, not after it
+    if expert_beta is not None and method == "vanilla":
+        raise InputError("--expert-beta does not apply to --method vanilla (the contiguous layout)")
     opts = _options(options)
     _check_lp_path(opts, (predictor,), (out,))
     pred = load_predictor(predictor)
@@ -137,6 +140,7 @@ def solve(
     )  # fmt: skip
     plan = make_plan(pred, config, progress=not as_json)
     plan.save(out)
+    _note_unreached_cap(plan.reports, expert_beta)
     if as_json:
         console.print_json(json.dumps({"plan": out, "reports": plan.reports}))
         return
@@ -163,6 +167,23 @@ def solve(
             info[:60],
         )
     console.print(table)
+
+
+def _note_unreached_cap(reports: list[dict], expert_beta: float | None) -> None:
+    """One line on stderr where the expert-load cap was out of reach of the swaps."""
+    short = [
+        r["expert_imbalance"]
+        for r in reports
+        if not r["info"].get("expert_balance", {}).get("reached", True)
+    ]
+    if expert_beta is not None and short:
+        low, high = f"{min(short):.3f}", f"{max(short):.3f}"
+        err_console.print(
+            f"note: the expert-load cap {expert_beta:g} is out of reach on {len(short)} of "
+            f"{len(reports)} layers; the plan keeps the lowest peak found there "
+            f"({low if low == high else f'{low}-{high}'} of the mean)",
+            soft_wrap=True,
+        )
 
 
 @app.command("compare")

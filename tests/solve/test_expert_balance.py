@@ -231,7 +231,13 @@ def test_cli_expert_beta(hot_model, tmp_path, capsys):
     capsys.readouterr()
     args = ["solve", str(pred), "--ep", "4", "--method", "kmeans", "--out", str(tmp_path / "p")]
     assert main([*args, "--expert-beta", "1.2", "--json"]) == 0
-    reports = json.loads(capsys.readouterr().out)["reports"]
+    out, err = capsys.readouterr()
+    reports = json.loads(out)["reports"]
+    # the layer out of reach is named in a note on stderr (JSON alone on stdout)
+    assert err.strip().splitlines()[-1] == (
+        "note: the expert-load cap 1.2 is out of reach on 1 of 2 layers; the plan keeps the "
+        f"lowest peak found there ({reports[0]['expert_imbalance']:.3f} of the mean)"
+    )
     balance = [r["info"]["expert_balance"] for r in reports]
     assert [b["reached"] for b in balance] == [False, True]  # layer 0's floor is 1.34
     for r, b in zip(reports, balance, strict=True):
@@ -242,3 +248,12 @@ def test_cli_expert_beta(hot_model, tmp_path, capsys):
     assert not (tmp_path / "p2").exists()
     err = capsys.readouterr().err
     assert "expert_beta=0.5 must be a finite number >= 1" in err and "Traceback" not in err
+    # vanilla is the contiguous layout: the cap is refused, not silently ignored
+    args[args.index("kmeans")] = "vanilla"
+    assert main([*args, "--expert-beta", "1.2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err == "moeplan: error: --expert-beta does not apply to --method vanilla (the "
+        "contiguous layout)"
+    )
+    assert not (tmp_path / "p2").exists()
