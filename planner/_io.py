@@ -135,9 +135,20 @@ def check_output(
                 f"{path}: the command reads its input {given} there; choose another output path"
             )
     check_parents(path)
+    owner = artifact_holding(path)
+    if owner is not None:
+        raise InputError(
+            f"{path}: is inside the {owner}; writing there would change it; choose another "
+            f"output path"
+        )
     if marker is None:
         if path.is_dir():
             raise InputError(f"{path}: is a directory; a {what} is a file")
+        if path.exists() and not path.is_file():  # renaming onto it would replace the device
+            raise InputError(
+                f"{path}: exists and is not a regular file (a device, pipe or socket); a {what} "
+                f"is written as a new file there; choose another output path"
+            )
         if (
             suffixes
             and path.is_file()
@@ -175,6 +186,33 @@ def check_output(
                 "delete; move them or choose another output path"
             )
     return path
+
+
+# The file that marks each moeplan directory artifact (bundle.MANIFEST_FILE,
+# predictor.MANIFEST, plan.PLAN_FILE; tests/test_atomic.py keeps them in step); a bundle's
+# manifest.json is told from a project's by its "format".
+_ARTIFACT_MARKERS = {"predictor.json": "predictor", "plan.json": "plan"}
+_BUNDLE_MANIFEST, _BUNDLE_FORMAT = "manifest.json", "moeplan-bundle"
+
+
+def artifact_holding(path: str | os.PathLike) -> str | None:
+    """ "moeplan bundle DIR" (plan, predictor) when ``path``'s directory is one, else None.
+
+    An output written into an artifact would change what its manifest describes (a bundle's
+    checksums cover its engine files)."""
+    folder = Path(path).absolute().parent
+    for name, what in _ARTIFACT_MARKERS.items():
+        if (folder / name).is_file():
+            return f"{what} {folder}"
+    manifest = folder / _BUNDLE_MANIFEST
+    if manifest.is_file():
+        try:
+            is_bundle = json.loads(manifest.read_bytes()).get("format") == _BUNDLE_FORMAT
+        except (OSError, ValueError, AttributeError):
+            is_bundle = False
+        if is_bundle:
+            return f"moeplan bundle {folder}"
+    return None
 
 
 def check_parents(path: str | os.PathLike) -> None:

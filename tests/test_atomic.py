@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import stat
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -62,6 +66,47 @@ def test_outputs_that_could_not_be_written_are_refused_before_the_work(tmp_path,
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "is a file, not a directory" in err[0], err
     assert afile.read_text() == "keep"
+
+
+def test_a_file_output_never_replaces_a_device_or_a_pipe(tmp_path, capsys):
+    # the rename of the atomic write would put a regular file in its place (as root,
+    # `export --out /dev/null` replaced /dev/null)
+    fifo = tmp_path / "fifo.png"
+    os.mkfifo(fifo)
+    for dest in (fifo, Path(os.devnull)):
+        with pytest.raises(InputError, match="exists and is not a regular file"):
+            check_output(dest, marker=None, what="placement file")
+    args = ["trace", "info", str(require(FLAME_TRACE)), "--plot", str(fifo)]
+    assert main(args) == 2
+    assert "is not a regular file" in capsys.readouterr().err
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
+
+
+def test_no_output_is_written_into_a_moeplan_artifact(tmp_path):
+    # a bundle's checksums cover its engine files: one rewritten from another plan made the
+    # bundle fail verification
+    from planner.export.bundle import MANIFEST_FILE
+    from planner.predict.predictor import MANIFEST
+    from planner.solve.plan import PLAN_FILE
+
+    assert {MANIFEST, PLAN_FILE} == set(_io._ARTIFACT_MARKERS)
+    assert MANIFEST_FILE == _io._BUNDLE_MANIFEST
+    for name, body, what in (
+        (MANIFEST, "{}", "predictor"),
+        (PLAN_FILE, "{}", "plan"),
+        (MANIFEST_FILE, json.dumps({"format": "moeplan-bundle"}), "moeplan bundle"),
+    ):
+        d = tmp_path / what.replace(" ", "_")
+        d.mkdir()
+        (d / name).write_text(body)
+        for marker in (None, "plan.json"):
+            with pytest.raises(InputError, match=f"is inside the {what} {d}"):
+                check_output(d / "x.json", marker=marker, what="thing")
+    # a project's own manifest.json (not a bundle's) is no artifact
+    project = tmp_path / "web"
+    project.mkdir()
+    (project / MANIFEST_FILE).write_text('{"name": "site"}')
+    assert check_output(project / "x.json", marker=None, what="thing") == project / "x.json"
 
 
 def test_deeply_nested_json_is_one_line_error(tmp_path):
