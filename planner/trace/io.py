@@ -450,9 +450,11 @@ def _check_finished(path: Path) -> None:
     """InputError if ``path`` is a profile run's directory whose settings say it is unfinished.
 
     The profile writes ``"finished": false`` into its settings file before its first part and
-    true after its last; a settings file without the key (older runs) counts as finished.
+    true after its last; a settings file without the key (older runs) counts as finished. A
+    part file named on its own is checked against its directory's settings.
     """
-    settings = path / PROFILE_SETTINGS_FILE
+    run = path if path.is_dir() else path.parent
+    settings = run / PROFILE_SETTINGS_FILE
     if not settings.is_file():
         return
     try:
@@ -461,8 +463,9 @@ def _check_finished(path: Path) -> None:
         return  # not a profile's settings file: the trace's own checks decide
     if finished is False:
         raise InputError(
-            f"{path}: the moeplan profile run writing this trace has not finished (stopped or "
-            "still running); finish it with moeplan profile --resume and the same arguments"
+            f"{path}: the moeplan profile run writing this trace{'' if run == path else ' part'}"
+            " has not finished (stopped or still running); finish it with moeplan profile "
+            "--resume and the same arguments"
         )
 
 

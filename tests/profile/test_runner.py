@@ -296,6 +296,9 @@ def test_resume_after_interruption_equals_a_clean_run(
     with pytest.raises(InputError, match="profile run writing this trace has not finished"):
         open_trace(out)
     assert main(["trace", "info", str(out)]) == 2
+    # nor one of its parts named on its own
+    with pytest.raises(InputError, match="writing this trace part has not finished"):
+        open_trace(next(out.glob("part-*.parquet")))
 
     result = profile_model(model_dir, prompts_file, out, ProfileConfig(resume=True), progress=False)
     assert result.prompts_resumed == 10 and result.prompts_profiled == NUM_PROMPTS - 10
