@@ -106,3 +106,23 @@ def test_interrupts_and_sigterm_say_what_was_kept(monkeypatch, capsys):
     )
     assert main(["trace", "synth", "--out", "never"]) == 143
     assert "moeplan: terminated; no output was half-written" in capsys.readouterr().err
+
+
+def test_ctrl_c_while_the_command_line_loads_is_one_line(monkeypatch, capsys):
+    # the console script imports torch and the solvers first: a Ctrl-C there printed the
+    # interpreter's traceback
+    import types
+
+    import pytest
+
+    from planner.cli import entry
+
+    class Loading(types.ModuleType):
+        def __getattr__(self, name):
+            raise KeyboardInterrupt
+
+    monkeypatch.setitem(sys.modules, "planner.cli.main", Loading("planner.cli.main"))
+    with pytest.raises(SystemExit) as stop:
+        entry.run()
+    assert stop.value.code == 130
+    assert capsys.readouterr().err == "moeplan: interrupted while starting; nothing was written\n"
