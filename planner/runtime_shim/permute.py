@@ -268,7 +268,16 @@ def apply_expert_placement(
             "an expert placement was already applied to this model; reload it before "
             "applying another (permutations compose, they do not replace)"
         )
-    perm_t = torch.as_tensor(getattr(tables, "expert_permutation", None)).to(torch.int64).cpu()
+    source = getattr(tables, "expert_permutation", None)
+    if source is None:
+        raise InputError(
+            "tables must be PlanTables (load_bundle) or hold an expert_permutation [L, N]; "
+            f"got {type(tables).__name__}"
+        )
+    perm_t = torch.as_tensor(source)
+    if perm_t.is_floating_point() or perm_t.is_complex() or perm_t.dtype == torch.bool:
+        raise InputError(f"tables.expert_permutation must hold integers, got {perm_t.dtype}")
+    perm_t = perm_t.to(torch.int64).cpu()
     if perm_t.ndim != 2:
         raise InputError(f"tables.expert_permutation must be [L, N], got {tuple(perm_t.shape)}")
     perm = perm_t.numpy()

@@ -39,6 +39,7 @@ from planner.runtime_shim import kernels
 
 Backend = Literal["auto", "triton", "torch"]
 BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
+MAX_EP_SIZE = 32767  # device ids are int16 in a bundle (DESIGN.md), so E <= N <= 32767
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,8 +101,8 @@ def plan_rebatch(devices: torch.Tensor, ep_size: int, chunk_rows: int | None = N
     Returns:
         RebatchInfo with tensors on ``devices``' device.
     """
-    if not is_integer(ep_size) or ep_size < 1:
-        raise InputError(f"ep_size must be a positive integer, got {ep_size!r}")
+    if not is_integer(ep_size) or not 1 <= ep_size <= MAX_EP_SIZE:
+        raise InputError(f"ep_size must be an integer in 1..{MAX_EP_SIZE}, got {ep_size!r}")
     ep_size = int(ep_size)
     devices = torch.as_tensor(devices)
     if devices.ndim != 1:
@@ -272,6 +273,10 @@ def resume(
     ``out`` is an optional preallocated [T, H] buffer of shuffled's dtype and device.
     Tensors that require grad are handled as in :func:`apply_rebatch`.
     """
+    if not isinstance(info, RebatchInfo):
+        raise InputError(
+            f"info must be the RebatchInfo rebatch returned, got {type(info).__name__}"
+        )
     if shuffled.ndim != 2 or shuffled.shape[0] != info.padded_rows:
         raise InputError(
             f"shuffled must be [E*C, H] with E*C={info.padded_rows} "

@@ -56,6 +56,8 @@ def _layers(tables: Any, layer: LayerSpec) -> list[int]:
 
 
 def _check_dp(tables: Any, dp_size: int) -> None:
+    if not hasattr(tables, "ep_size"):
+        raise InputError(f"tables must be PlanTables (load_bundle), got {type(tables).__name__}")
     if not isinstance(dp_size, int) or dp_size < 1:
         raise InputError(f"dp_size must be a positive integer, got {dp_size!r}")
     if dp_size != tables.ep_size:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -237,6 +239,10 @@ def test_errors():
     bad[1, 0] = 1
     with pytest.raises(InputError, match="row 1 is not a permutation"):
         apply_expert_placement(fresh_qwen3(), make_tables(bad, 4))
+    with pytest.raises(InputError, match="tables must be PlanTables .load_bundle. or hold"):
+        apply_expert_placement(fresh_qwen3(), None)
+    with pytest.raises(InputError, match="must hold integers, got torch.float64"):
+        apply_expert_placement(fresh_qwen3(), SimpleNamespace(expert_permutation=ident + 0.5))
     # L and N that happen to fit do not make it the same model: another top-k or vocabulary
     model = fresh_qwen3()
     vocab, k = model.config.vocab_size, model.config.num_experts_per_tok

@@ -134,8 +134,9 @@ def test_gradients_flow_through_rebatch_and_resume(backend):
         ([0, -1], 2, None, "device id -1 outside"),
         ([0.0, 1.0], 2, None, "integers"),
         ([0, 0, 1], 2, 1, "chunk_rows=1 is smaller than the largest device group"),
-        ([0, 1], 0, None, "ep_size must be a positive integer"),
-        ([0, 1], True, None, "ep_size must be a positive integer"),
+        ([0, 1], 0, None, "ep_size must be an integer in 1..32767"),
+        ([0, 1], True, None, "ep_size must be an integer in 1..32767"),
+        ([0, 1], 10**12, None, "ep_size must be an integer in 1..32767"),  # no 8 TB allocation
         ([0, 0, 1], 2, 2.0, "chunk_rows must be an integer or None"),
     ],
 )
@@ -154,6 +155,8 @@ def test_shape_mismatches_raise_input_error():
     shuffled, info = rebatch(x, torch.tensor([0, 1, 0]), 2)
     with pytest.raises(InputError, match="shuffled must be"):
         resume(shuffled[:-1], info)
+    with pytest.raises(InputError, match="info must be the RebatchInfo rebatch returned"):
+        resume(shuffled, None)
     with pytest.raises(InputError, match="out must be"):
         resume(shuffled, info, out=torch.zeros(3, 2, dtype=torch.float64))
     with pytest.raises(InputError, match="backend must be"):
