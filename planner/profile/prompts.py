@@ -2,9 +2,11 @@
 
 Two formats, chosen per file:
 
-* JSONL (the file ends in ``.jsonl``/``.json``, or its first non-empty line starts with
-  ``{``): one object per line, ``{"text": str, "id"?: str | int, "domain"?: str}``.
-* Plain text: every non-blank line is one prompt.
+* JSONL (the file ends in ``.jsonl``/``.json``, or in neither that nor ``.txt`` and its
+  first non-empty line starts with ``{``): one object per line, ``{"text": str, "id"?: str |
+  int, "domain"?: str}``.
+* Plain text: every non-blank line is one prompt (a ``.txt`` file always, so a code prompt
+  may open with ``{``).
 
 Blank lines are skipped in both. A prompt's ``index`` is its position among the prompts
 (0-based, blank lines not counted); the profiler uses it as the trace's ``request_id`` so
@@ -20,6 +22,7 @@ from pathlib import Path
 from planner.errors import InputError
 
 JSONL_SUFFIXES = (".jsonl", ".json")
+TEXT_SUFFIXES = (".txt",)
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,10 @@ def read_prompts(path: str | Path) -> list[Prompt]:
     first = next((line for _, line in lines if line.strip()), None)
     if first is None:
         raise InputError(f"{path}: no prompts (the file is empty or blank)")
-    is_jsonl = path.suffix.lower() in JSONL_SUFFIXES or first.lstrip().startswith("{")
+    suffix = path.suffix.lower()
+    is_jsonl = suffix in JSONL_SUFFIXES or (
+        suffix not in TEXT_SUFFIXES and first.lstrip().startswith("{")
+    )
     prompts: list[Prompt] = []
     for lineno, line in lines:
         if not line.strip():

@@ -34,10 +34,15 @@ def test_plain_text_one_prompt_per_line(tmp_path):
     ]
 
 
-def test_jsonl_detected_from_first_line_whatever_the_suffix(tmp_path):
+def test_jsonl_detected_from_first_line_unless_the_name_says_text(tmp_path):
+    for name in ("prompts", "p.data"):
+        path = tmp_path / name
+        path.write_text('\n  {"text": "a"}\n{"text": "b"}\n')
+        assert [p.text for p in read_prompts(path)] == ["a", "b"]
+    # a .txt file is plain text, whatever its first line: code prompts open with "{"
     path = tmp_path / "p.txt"
-    path.write_text('\n  {"text": "a"}\n{"text": "b"}\n')
-    assert [p.text for p in read_prompts(path)] == ["a", "b"]
+    path.write_text('{ "a": 1 }\nint main() {\n')
+    assert [p.text for p in read_prompts(path)] == ['{ "a": 1 }', "int main() {"]
 
 
 @pytest.mark.parametrize(
