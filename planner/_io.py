@@ -120,7 +120,8 @@ def check_output(
     file does not wipe the prompts). Either kind refuses one of the command's ``inputs``, a
     directory holding one (replacing it would delete the input while the command reads it)
     and a path inside one (replacing the input later would delete the output). So a
-    mistyped output path deletes nothing. A path under an existing file, and a directory
+    mistyped output path deletes nothing; nor is anything read-only replaced (its mode says
+    it is to be kept, even to root). A path under an existing file, and a directory
     artifact's path that is a symbolic link, are refused too: the write would fail once the
     work is done.
     """
@@ -140,6 +141,12 @@ def check_output(
         raise InputError(
             f"{path}: is inside the {owner}; writing there would change it; choose another "
             f"output path"
+        )
+    if path.exists() and not path.stat().st_mode & 0o222:
+        # root may write anything: the mode is the owner's word that this is to be kept
+        raise InputError(
+            f"{path}: is read-only, so it is not replaced; make it writable first or choose "
+            f"another output path"
         )
     if marker is None:
         if path.is_dir():

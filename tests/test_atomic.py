@@ -82,6 +82,28 @@ def test_a_file_output_never_replaces_a_device_or_a_pipe(tmp_path, capsys):
     assert stat.S_ISFIFO(fifo.stat().st_mode)
 
 
+def test_read_only_files_and_directories_are_never_replaced(tmp_path, capsys):
+    # even with --force and as root: a synthetic trace replaced the read-only real one
+    real = tmp_path / "real.parquet"
+    args = ["trace", "synth", "--tokens", "100", "--requests", "4", "--out", str(real)]
+    assert main(args) == 0
+    before = real.read_bytes()
+    real.chmod(0o444)
+    assert main([*args, "--seed", "3", "--force"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moeplan: error:") and "is read-only, so it is not replaced" in err
+    assert real.read_bytes() == before
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    (parts / "part-00000.parquet").write_bytes(before)
+    parts.chmod(0o555)
+    try:
+        with pytest.raises(InputError, match="is read-only, so it is not replaced"):
+            check_output(parts, marker="part-*.parquet", what="trace")
+    finally:
+        parts.chmod(0o755)
+
+
 def test_no_output_is_written_into_a_moeplan_artifact(tmp_path):
     # a bundle's checksums cover its engine files: one rewritten from another plan made the
     # bundle fail verification
