@@ -203,7 +203,8 @@ _BUNDLE_MANIFEST, _BUNDLE_FORMAT = "manifest.json", "moeplan-bundle"
 
 
 def artifact_holding(path: str | os.PathLike) -> str | None:
-    """ "moeplan bundle DIR" (plan, predictor) when ``path``'s directory is one, else None.
+    """The moeplan artifact ``path``'s directory is ("plan DIR", "predictor DIR" or
+    "moeplan bundle DIR"), or None.
 
     An output written into an artifact would change what its manifest describes (a bundle's
     checksums cover its engine files)."""
