@@ -82,6 +82,8 @@ def export(
     that one file.
     """
     if verify:
+        if out:
+            raise InputError("--verify checks PLAN where it is and writes nothing; drop --out")
         report = verify_bundle(plan)
         console.print_json(json.dumps(report)) if as_json else console.print(_verify_table(report))
         if not report["ok"]:

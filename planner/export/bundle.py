@@ -542,6 +542,9 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         raise SchemaError(f"bundle {path}: manifest seed={seed!r} must be an integer or null")
     if not isinstance(manifest.get("metrics") or {}, dict):
         raise SchemaError(f"bundle {path}: manifest metrics must be a JSON object")
+    method = manifest.get("method", "")
+    if method is not None and not isinstance(method, str):
+        raise SchemaError(f"bundle {path}: manifest method={method!r} must be a string")
     try:
         json.dumps(manifest.get("metrics") or {}, allow_nan=False)
     except (ValueError, RecursionError) as e:  # NaN or Infinity, which json.loads accepts
@@ -584,6 +587,12 @@ def _check_files(path: Path, manifest: Mapping[str, Any]) -> None:
             raise SchemaError(f"bundle {path}: manifest gives no sha256 for {name}")
         if sha256_file(fpath) != want:
             raise SchemaError(f"bundle {path}: {name} sha256 mismatch (file changed or corrupt)")
+        size = entry.get("bytes")
+        if size is not None and size != fpath.stat().st_size:
+            raise SchemaError(
+                f"bundle {path}: manifest gives {name} {size!r} bytes but it holds "
+                f"{fpath.stat().st_size}; the manifest was edited"
+            )
 
 
 def _read_tables(path: Path) -> dict[str, np.ndarray]:

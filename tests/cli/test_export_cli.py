@@ -54,6 +54,14 @@ def test_export_all_formats_and_verify(tmp_path, plan_and_trace, capsys):
     assert main(["export", "--verify", str(out), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] and report["ep_size"] == 4
+    # verify writes nothing: an --out beside it is refused, not silently ignored
+    assert main(["export", "--verify", str(out), "--out", str(tmp_path / "v")]) == 2
+    assert "--verify checks PLAN where it is and writes nothing" in capsys.readouterr().err
+    # nor is anything written into the bundle (an engine file there broke its checksums)
+    stray = out / "sglang_expert_location.json"
+    assert main(["export", str(plan), "--out", str(stray), "--format", "sglang"]) == 2
+    assert f"is inside the moeplan bundle {out}" in capsys.readouterr().err
+    assert main(["export", "--verify", str(out)]) == 0
 
     single = tmp_path / "sglang.json"
     assert main(["export", str(plan), "--out", str(single), "--format", "sglang"]) == 0

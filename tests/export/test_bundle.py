@@ -27,13 +27,15 @@ from tests.export.conftest import HAND_EXPERT_TO_DEVICE, HAND_META, HAND_PERMUTA
 
 
 def _rewrite_tables(path: Path, **replace: np.ndarray) -> None:
-    """Replace tensors in a saved bundle and fix the manifest's sha256 (a 'valid' edit)."""
+    """Replace tensors in a saved bundle and fix the manifest's sha256 and size (a 'valid'
+    edit)."""
     tables = safetensors.numpy.load_file(path / "tables.safetensors")
     tables = {k: np.array(v) for k, v in tables.items()} | replace
     safetensors.numpy.save_file(tables, path / "tables.safetensors")
     manifest = json.loads((path / "manifest.json").read_text())
     data = (path / "tables.safetensors").read_bytes()
-    manifest["files"]["tables.safetensors"]["sha256"] = hashlib.sha256(data).hexdigest()
+    entry = manifest["files"]["tables.safetensors"]
+    entry["sha256"], entry["bytes"] = hashlib.sha256(data).hexdigest(), len(data)
     (path / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -228,7 +230,8 @@ def test_a_dtype_numpy_cannot_read_is_refused_in_one_line(tmp_path, hand_bundle)
     safetensors.torch.save_file(tables, path / "tables.safetensors")
     data = (path / "tables.safetensors").read_bytes()
     manifest = json.loads((path / "manifest.json").read_text())
-    manifest["files"]["tables.safetensors"]["sha256"] = hashlib.sha256(data).hexdigest()
+    entry = manifest["files"]["tables.safetensors"]
+    entry["sha256"], entry["bytes"] = hashlib.sha256(data).hexdigest(), len(data)
     (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(SchemaError, match="token_confidence is BF16.*int16 and float16"):
         load_bundle_arrays(path)
@@ -245,6 +248,7 @@ def test_a_dtype_numpy_cannot_read_is_refused_in_one_line(tmp_path, hand_bundle)
         ({"format_version": True}, "format_version True is not supported"),
         ({"format_version": 1.0}, "format_version 1.0 is not supported"),
         ({"ep_size": True}, "mistypes ep_size"),
+        ({"method": 5}, "method=5 must be a string"),
     ],
 )
 def test_verify_refuses_what_load_refuses(tmp_path, hand_bundle, changes, message):
@@ -254,6 +258,17 @@ def test_verify_refuses_what_load_refuses(tmp_path, hand_bundle, changes, messag
         load_bundle_arrays(path)
     report = verify_bundle(path)
     assert not report["ok"] and message in report["error"]
+
+
+def test_an_edited_file_size_is_refused(tmp_path, hand_bundle):
+    path = save_bundle(hand_bundle, tmp_path / "b")
+    files = json.loads((path / "manifest.json").read_text())["files"]
+    files["tables.safetensors"]["bytes"] = 7  # the checksum left as it was
+    _edit_manifest(path, files=files)
+    message = "manifest gives tables.safetensors 7 bytes but it holds"
+    with pytest.raises(SchemaError, match=message):
+        load_bundle_arrays(path)
+    assert message in verify_bundle(path)["error"]
 
 
 def test_capacity_violation_on_disk(tmp_path, hand_bundle):
