@@ -425,10 +425,11 @@ def convert_sglang(
     big_l = moe_layers.size
     for rec in kept:
         phys = rec["topk"][moe_layers][:, :, :k].transpose(1, 0, 2)  # [T, L, k]
-        if phys.max() >= num_physical:
+        if phys.max() >= num_physical or phys.min() < -1:  # -1 alone marks padding
+            bad = int(phys.max()) if phys.max() >= num_physical else int(phys.min())
             raise SchemaError(
                 f"sglang record (pass {rec['forward_pass_id']}, rank {rec['rank']}): physical "
-                f"expert id {int(phys.max())} outside the map's {num_physical} slots"
+                f"expert id {bad} outside the map's {num_physical} slots (-1 marks padding)"
             )
         starts = segment_starts(rec["positions"], rec["extend_seq_lens"], rec["forward_mode"])
         request = next_request + np.cumsum(starts) - 1
