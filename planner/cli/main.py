@@ -22,9 +22,9 @@ from planner.cli.app import app
 from planner.errors import MoeplanError
 
 try:  # recent typer vendors its own copy of click
-    from typer._click.exceptions import ClickException
+    from typer._click.exceptions import ClickException, UsageError
 except ImportError:  # pragma: no cover - older typer
-    from click.exceptions import ClickException  # type: ignore[assignment]
+    from click.exceptions import ClickException, UsageError  # type: ignore[assignment]
 
 # Library exceptions -> one line, and the exit code. Anything not listed is a bug and keeps
 # its traceback. OSError covers what the machine refuses (a read-only or full disk, a name
@@ -48,6 +48,11 @@ def _raise_terminated(signum, frame) -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         result = app(args=argv, prog_name="moeplan", standalone_mode=False)
+    except UsageError as e:  # a missing argument, an unparsable value: one line, as below
+        where = e.ctx.command_path if e.ctx is not None else "moeplan"
+        msg = " ".join(e.format_message().split())
+        print(f"moeplan: error: {msg} (see {where} --help)", file=sys.stderr)
+        return e.exit_code
     except ClickException as e:
         e.show()
         return e.exit_code

@@ -27,9 +27,18 @@ def test_missing_trace_is_one_line_without_traceback(tmp_path):
 
 
 def test_usage_error_exits_non_zero(capsys):
+    # one line like every other error (click printed usage, a hint and the error on four)
     assert main(["trace", "info"]) == 2
-    assert "Missing argument" in capsys.readouterr().err
+    assert capsys.readouterr().err == (
+        "moeplan: error: Missing argument 'path'. (see moeplan trace info --help)\n"
+    )
+    assert main(["fit", "t", "--holdout", "half"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moeplan: error: Invalid value for '--holdout'") and err.count("\n") == 1
     assert main(["no-such-command"]) == 2
+    assert capsys.readouterr().err == (
+        "moeplan: error: No such command 'no-such-command'. (see moeplan --help)\n"
+    )
 
 
 def test_help_lists_the_stages(capsys):
