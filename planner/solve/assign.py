@@ -382,12 +382,9 @@ def _place_heavy(
 
     Each goes to its best adjusted device (``gain - freq * price``) among those it fits on;
     among (near-)ties the device with the most room beyond the light tokens' ``demand``; a
-    token that fits nowhere takes the device with the most room (of devices level on room,
-    the one it gains most on: at the start all are level, and the first by index would
-    send a Zipf head heavier than any device's capacity to device 0, 1, ... whatever its
-    experts). Updates ``room``. Plain
-    Python floats (the same IEEE arithmetic as numpy's): per token, numpy's call overhead
-    on E values cost several times the work.
+    token that fits nowhere takes the device with the most room (:func:`_emptiest`). Updates
+    ``room``. Plain Python floats (the same IEEE arithmetic as numpy's): per token, numpy's
+    call overhead on E values cost several times the work.
 
     Most tokens have one clear best device (no other within the tie margin) and fit on it;
     the rule then picks that device whatever the other devices' room, so the scan over the
@@ -418,9 +415,8 @@ def _place_heavy(
                 d = max(
                     (d for d in fits if values[d] >= cut), key=lambda d: (left[d] - demand[d], -d)
                 )
-            else:  # the most room; among devices level on room, where it gains most
-                most = max(left) - tol
-                d = max((d for d in devices if left[d] >= most), key=lambda d: (values[d], -d))
+            else:
+                d = _emptiest(np.asarray(left), np.asarray(values), tol)
         out.append(d)
         left[d] -= f
     room[:] = left
@@ -441,17 +437,21 @@ def _place_overflow(
     out: np.ndarray,
     tol: float,
 ) -> None:
-    """Tokens that fit nowhere: heaviest first, each to the device with the most room.
-
-    Among devices level on room (within ``tol``) the token takes the one it gains most on, as
-    :func:`_place_heavy` does: the first by index would make the result depend on the
-    devices' labels.
-    """
+    """Tokens that fit nowhere: heaviest first, each to :func:`_emptiest`."""
     for j in tokens[np.argsort(-freq[tokens], kind="stable")]:
-        level = np.flatnonzero(room >= room.max() - tol)
-        d = int(level[gain[j, level].argmax()])
+        d = _emptiest(room, gain[j], tol)
         out[j] = d
         room[d] -= freq[j]
+
+
+def _emptiest(room: np.ndarray, values: np.ndarray, tol: float) -> int:
+    """Where a token that fits nowhere goes: a device with the most room (within ``tol``),
+    of those the one with the highest ``values`` (its gain there; the first on a tie). The
+    first by index alone would make the result depend on the devices' labels: at the start
+    all are level, and a Zipf head heavier than any device's capacity went to device 0, 1,
+    ... whatever their experts."""
+    level = np.flatnonzero(room >= room.max() - tol)
+    return int(level[values[level].argmax()])
 
 
 def _exchange(
