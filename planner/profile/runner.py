@@ -275,9 +275,7 @@ class ProfileSession:
         # the embedding matrix. Any id the model has will do.
         pad_id = int(pad) if pad is not None else 0
         self._pad_id = pad_id if 0 <= pad_id < self.info.vocab_size else 0
-        # Never feed more positions than the model was built for.
-        limit = getattr(self.info.config, "max_position_embeddings", None)
-        self._max_length = min(self.config.max_length, limit or self.config.max_length)
+        self._max_length = effective_max_length(self.info, self.config)
 
     def encode(self, prompts: list[Prompt]) -> list[list[int]]:
         """Token ids of each prompt, truncated to ``max_length`` (and to the model's
@@ -442,7 +440,7 @@ def profile_model(
     settings = {
         "model": info.name,
         "model_type": info.model_type,
-        "max_length": config.max_length,
+        "max_length": effective_max_length(info, config),
         "dtype": dtype,
         "add_special_tokens": config.add_special_tokens,
         "prompts": str(Path(prompts_path).resolve()),
@@ -545,6 +543,13 @@ def _claim_out_dir(out: Path) -> Iterator[None]:
             raise
     finally:
         os.close(fd)
+
+
+def effective_max_length(info: CheckpointInfo, config: ProfileConfig) -> int:
+    """Tokens kept per prompt: ``config.max_length``, but never more positions than the
+    model was built for (its ``max_position_embeddings``). This is what the run records."""
+    limit = getattr(info.config, "max_position_embeddings", None)
+    return min(config.max_length, limit or config.max_length)
 
 
 def _prepare_out_dir(

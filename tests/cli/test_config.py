@@ -141,3 +141,9 @@ def test_non_utf8_config_is_one_line(tmp_path, capsys):
     assert main(["--config", str(path), "trace", "info", "x"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("moeplan: error: --config") and "not valid TOML" in err
+
+
+def test_a_config_that_is_a_directory(tmp_path, capsys):
+    assert main(["--config", str(tmp_path), "trace", "info", "x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is a directory" in err and "\n" not in err

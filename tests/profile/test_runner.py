@@ -331,9 +331,22 @@ def test_resume_with_other_settings_is_refused(model_dirs, prompts_file, tmp_pat
     out = tmp_path / "t"
     config = ProfileConfig(max_prompts=2)
     profile_model(model_dirs["olmoe"], prompts_file, out, config, progress=False)
-    with pytest.raises(InputError, match="max_length: 512 -> 16"):
+    # the tiny models hold 256 positions: the default 512 runs (and is recorded) as 256
+    with pytest.raises(InputError, match="max_length: 256 -> 16"):
         profile_model(model_dirs["olmoe"], prompts_file, out,
                       ProfileConfig(resume=True, max_length=16), progress=False)  # fmt: skip
+
+
+def test_the_run_records_the_length_it_truncated_to(model_dirs, prompts_file, tmp_path):
+    """A --max-length beyond the model's positions is recorded as the positions it ran with,
+    and a resume asking for another length beyond them continues the same run."""
+    out = tmp_path / "t"
+    config = ProfileConfig(max_prompts=2, max_length=100_000)
+    profile_model(model_dirs["olmoe"], prompts_file, out, config, progress=False)
+    assert json.loads((out / "profile.json").read_text())["max_length"] == 256
+    again = ProfileConfig(max_prompts=3, max_length=4096, resume=True)
+    profile_model(model_dirs["olmoe"], prompts_file, out, again, progress=False)
+    assert len(set(open_trace(out).read_all().request_id.tolist())) == 3
 
 
 @pytest.mark.parametrize(
