@@ -14,6 +14,7 @@ The kernels charge their work to an optional ``effort`` meter (:mod:`planner.sol
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -97,6 +98,37 @@ def assign_tokens(
     """
     gain = np.asarray(gain, dtype=np.float64)
     freq = np.asarray(freq, dtype=np.float64)
+    room = np.broadcast_to(np.asarray(capacity, dtype=np.float64), (gain.shape[1],))
+    # Loads below 1 (frequencies given as shares, say) are scaled up, gains alike, by a power
+    # of two, which is exact and leaves the prices (gain per unit of load) as they are, so
+    # that the absolute tolerances below and HiGHS's stay small against them: with loads
+    # of 1e-9, every token fitted anywhere within them. Loads of 1 and more stay as they are.
+    shift = _shift_to_one(np.concatenate((room, freq)))
+    if shift == 0:
+        return _assign_tokens(gain, freq, room, prices, sweeps, exact, effort)
+    return _assign_tokens(
+        np.ldexp(gain, shift), np.ldexp(freq, shift), np.ldexp(room, shift), prices, sweeps,
+        exact, effort,
+    )  # fmt: skip
+
+
+def _shift_to_one(values: np.ndarray) -> int:
+    """k > 0 such that the largest finite ``|values|`` times 2**k lies in [1, 2), when it is
+    below 1 (else 0)."""
+    top = float(np.abs(values[np.isfinite(values)]).max(initial=0.0))
+    return -math.floor(math.log2(top)) if 0.0 < top < 1.0 else 0
+
+
+def _assign_tokens(
+    gain: np.ndarray,
+    freq: np.ndarray,
+    capacity: np.ndarray,
+    prices: np.ndarray | None,
+    sweeps: int,
+    exact: bool,
+    effort: Effort | None,
+) -> Assignment:
+    """:func:`assign_tokens` on loads as they are (float64 ``gain`` and ``freq``)."""
     num_tokens, e = gain.shape
     room = np.broadcast_to(np.asarray(capacity, dtype=np.float64), (e,)).copy()
     tol = LOAD_RTOL * max(float(np.abs(room[np.isfinite(room)]).max(initial=1.0)), 1.0)

@@ -175,3 +175,20 @@ def test_one_device_over_its_capacity_takes_every_token() -> None:
         warnings.simplefilter("error")  # no inf - inf on the way
         result = assign.assign_tokens(gain, freq, 0.6 * freq.sum(), sweeps=30)
     assert (result.token_to_device == 0).all() and np.array_equal(result.prices, [0.0])
+
+
+@pytest.mark.parametrize("scale", [1e-12, 1e-9, 2.0**-40])
+def test_loads_and_gains_given_as_tiny_shares_stay_within_the_cap(scale: float) -> None:
+    """Frequencies given as shares: an absolute tolerance of 1e-9 (and HiGHS's, on the exact
+    path) let every token of 1e-9 fit anywhere, so a device took 3x its cap. Loads and gains
+    below 1 are now scaled up by a power of two first: as good an assignment as the counts'."""
+    for j in (40, 300):  # the exact 0-1 program and the greedy
+        problem = random_problem(j, 16, 4, seed=5)
+        gain = device_gains(problem, np.arange(16) // 4)
+        freq, cap = problem.token_freq, problem.capacity
+        counts = assign.assign_tokens(gain, freq, cap).token_to_device
+        shares = assign.assign_tokens(gain * scale, freq * scale, cap * scale).token_to_device
+        loads = np.bincount(shares, weights=freq, minlength=4)
+        assert loads.max() <= cap * (1 + 1e-9)
+        rows = np.arange(j)
+        assert gain[rows, shares].sum() == pytest.approx(gain[rows, counts].sum(), rel=1e-3)
