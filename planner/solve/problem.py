@@ -129,6 +129,11 @@ class LayerProblem:
             raise InputError(f"token_freq{where} holds non-finite values")
         if freq.size and freq.min() < 0:
             raise InputError(f"token_freq{where} holds negative values (min {freq.min():g})")
+        for name, values in (("affinity", w.data), ("token_freq", freq)):
+            with np.errstate(over="ignore"):
+                total = float(values.sum())
+            if not math.isfinite(total):
+                raise InputError(f"{name}{where} sums to more than a float64 holds; scale it down")
         e = self.ep_size
         if isinstance(e, bool) or not isinstance(e, int | np.integer) or e < 1:
             raise InputError(f"ep_size={e!r} must be a positive integer")

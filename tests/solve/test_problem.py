@@ -51,6 +51,9 @@ def test_accepts_any_sparse_or_dense_input() -> None:
             "non-finite|shape",
         ),
         ({"token_ids": np.array([1, 2])}, InputError, "token_ids"),
+        # finite entries whose sum overflows: every solver divided by an infinite total
+        ({"affinity": W * 5e307}, InputError, "affinity sums to more than a float64"),
+        ({"token_freq": A * 5e307}, InputError, "token_freq sums to more than a float64"),
     ],
 )
 def test_invalid_problems(kwargs, error, match) -> None:
