@@ -191,7 +191,7 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
         "bound": _bound(prog, solver),
         "symmetry_breaking": bool(opts["symmetry_breaking"]),
         "time_limit": time_limit,
-        "token_cap": capacity,
+        "token_cap": capacity if np.isfinite(capacity) else None,
         "start": start is not None,
     }
     if over > 1.0:
@@ -260,7 +260,8 @@ def build_program(
     if problem.balance == "cap":
         prog += local
         for d in range(e):
-            prog += loads[d] <= cap, f"load_{d}"
+            if np.isfinite(cap):  # a beta near 1e308 overflows the cap: no cap then
+                prog += loads[d] <= cap, f"load_{d}"
     else:
         mean = problem.total_freq / e
         dev = [pulp.LpVariable(f"dev_{d}", lowBound=0) for d in range(e)]

@@ -54,6 +54,19 @@ def test_a_layer_whose_tokens_activate_nothing_gets_a_valid_placement(method: st
     np.testing.assert_array_equal(a.token_to_device, b.token_to_device)
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_a_beta_so_large_the_cap_overflows_is_no_cap(method: str) -> None:
+    """beta = 1e308 makes the cap beta * S / E infinite: the ILP put it in a constraint,
+    which PuLP refused with a traceback (PulpError), and reported it as infinite JSON."""
+    problem = random_problem(15, 8, 4, seed=2, beta=1e308)
+    assert problem.capacity == math.inf
+    p = solve_layer(problem, method, SolverConfig(seed=1, time_limit=5, options=FAST))
+    p.validate(problem)
+    json.dumps(p.report(), allow_nan=False)
+    free = solve_layer(problem.with_options(beta=1e6), method, SolverConfig(seed=1, options=FAST))
+    assert p.local_rate == pytest.approx(free.local_rate, rel=1e-9)
+
+
 def test_gains_and_scores_are_float_without_activations() -> None:
     problem = LayerProblem(np.zeros((3, 4)), np.ones(3), 2)
     x = np.array([0, 0, 1, 1])
