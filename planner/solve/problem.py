@@ -248,7 +248,8 @@ class LayerProblem:
         if b is None:
             return None
         rows = np.repeat(np.arange(b.shape[0], dtype=np.int64), np.diff(b.indptr))
-        cap = self.beta * np.asarray(b.sum(axis=0)).ravel() / self.ep_size
+        with np.errstate(over="ignore"):  # a beta near 1e308: infinite caps, none at all
+            cap = self.beta * np.asarray(b.sum(axis=0)).ravel() / self.ep_size
         return rows, b.indices.astype(np.int64), b.data, cap
 
     @functools.cached_property

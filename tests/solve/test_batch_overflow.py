@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from scipy import sparse
@@ -88,6 +90,17 @@ def test_one_batch_within_the_cap_loses_nothing() -> None:
     gain = device_gains(problem, x)
     t = get_solver("kmeans")(problem, SolverConfig(seed=0)).token_to_device
     assert batch_overflow(problem, gain, t) == 0.0  # the plan's own cap is this batch's cap
+
+
+def test_a_beta_so_large_the_batch_caps_overflow_loses_nothing_quietly() -> None:
+    """beta = 1e308 (``moeplan solve --beta 1e308``): the batch caps overflow to infinity,
+    which is no cap, but numpy printed an overflow warning on stderr."""
+    problem = random_problem(200, 8, 2, top_k=2, seed=3, beta=1e308)
+    problem = problem.with_options(batch_freq=sparse.csr_matrix(problem.token_freq[:, None]))
+    gain = device_gains(problem, np.arange(8) // 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert batch_overflow(problem, gain, np.zeros(200, dtype=np.int64)) == 0.0
 
 
 def two_domain_problem(batch_freq: bool) -> LayerProblem:
