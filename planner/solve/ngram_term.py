@@ -133,6 +133,9 @@ RUN_LAYERS = 16
 # Default weight of the context rows (``--ngram-weight``); chosen on the held-out sweep of
 # benchmarks/compare_traces.py (see the module doc).
 DEFAULT_WEIGHT = 0.5
+# Largest weight accepted: beyond it the token rows no longer count against the context
+# rows, and near 1e308 the weighted rows overflow float64.
+MAX_WEIGHT = 1e6
 # Layers whose n-gram table makes at least this share u of the runtime's choices give the
 # context rows u of the fitting batches (NgramTerm.extend); measured in the module doc.
 BATCH_SHARE_FROM = 0.5
@@ -162,8 +165,10 @@ class NgramTerm:
     unreliable: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.weight) and self.weight > 0):
-            raise InputError(f"n-gram weight {self.weight!r} must be a positive number")
+        if not (0 < self.weight <= MAX_WEIGHT):
+            raise InputError(
+                f"n-gram weight {self.weight!r} must be a positive number, at most {MAX_WEIGHT:g}"
+            )
         if self.target not in TARGETS:
             raise InputError(f"n-gram target {self.target!r} must be one of {', '.join(TARGETS)}")
 

@@ -61,7 +61,7 @@ from planner.predict.predictor import Predictor
 from planner.predict.reliability import discounted_share, shrink_confidence
 from planner.solve.expert_balance import expert_imbalance
 from planner.solve.metrics import token_table
-from planner.solve.ngram_term import DEFAULT_WEIGHT, NgramTerm
+from planner.solve.ngram_term import DEFAULT_WEIGHT, MAX_WEIGHT, NgramTerm
 from planner.solve.plan import Plan, solve_model
 from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig, check_expert_beta
 from planner.solve.registry import check_method_options, get_solver
@@ -132,8 +132,10 @@ class PlanConfig:
             raise InputError(f"jobs={self.jobs} must be at least 1")
         if not (math.isfinite(self.beta) and self.beta >= 1):
             raise InputError(f"beta={self.beta} must be a finite number >= 1")
-        if not (math.isfinite(self.ngram_weight) and self.ngram_weight >= 0):
-            raise InputError(f"ngram_weight={self.ngram_weight} must be a number >= 0")
+        if not 0 <= self.ngram_weight <= MAX_WEIGHT:
+            raise InputError(
+                f"ngram_weight={self.ngram_weight} must be a number >= 0, at most {MAX_WEIGHT:g}"
+            )
         if not 0 <= self.chain_passes <= MAX_CHAIN_PASSES:
             raise InputError(
                 f"chain_passes={self.chain_passes} must be between 0 and {MAX_CHAIN_PASSES}"
