@@ -171,7 +171,7 @@ def cap_expert_load(
     loads = np.bincount(x, weights=f, minlength=e)
     mean = loads.sum() / e
     before = float(loads.max() / mean) if mean > 0 else 1.0
-    cap = expert_beta * mean
+    cap = expert_beta * float(mean)  # a Python float: 1e308 x the mean is inf, no warning
     if mean <= 0 or loads.max() <= cap * (1 + _RTOL):
         return placement
     m = expert_scores(problem, placement.token_to_device)  # [E, N], fixed while tokens are

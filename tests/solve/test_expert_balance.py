@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -94,6 +95,11 @@ def test_a_placement_within_the_cap_is_returned_as_it_is():
     placement = solve_layer(problem, "metis")
     loose = expert_imbalance(problem, placement.expert_to_device) + 0.01
     assert cap_expert_load(problem, placement, loose) is placement
+    # so is any finite cap, 1e308 times the mean too (that overflowed, with numpy's warning
+    # on stderr: `moeplan solve --expert-beta 1e308`)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cap_expert_load(problem, placement, 1e308) is placement
 
 
 def test_an_unreachable_cap_stops_at_the_lowest_maximum_and_says_so():
