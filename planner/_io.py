@@ -136,6 +136,7 @@ def check_output(
                 f"{path}: the command reads its input {given} there; choose another output path"
             )
     check_parents(path)
+    check_writable(path)
     owner = artifact_holding(path)
     if owner is not None:
         raise InputError(
@@ -234,6 +235,24 @@ def check_parents(path: str | os.PathLike) -> None:
                 f"{path}: {parent} is a symbolic link to {os.readlink(parent)!r}, which does not "
                 f"exist; choose another path"
             )
+
+
+def check_writable(path: str | os.PathLike) -> None:
+    """InputError unless a file can be made in the directory ``path`` is written from: its
+    own, or the nearest existing one above it, where its missing parents would be made. A
+    directory one may not write in (or /proc, /sys) failed only once the work was done,
+    naming a temporary file of the atomic write."""
+    folder = Path(path).absolute().parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".moeplan-probe.", suffix=".tmp", dir=folder)
+    except OSError as exc:
+        raise InputError(
+            f"{path}: cannot write in {folder} ({exc.strerror}); choose another output path"
+        ) from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def write_bytes_atomic(dest: str | os.PathLike, data: bytes) -> None:

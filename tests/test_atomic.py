@@ -68,6 +68,33 @@ def test_outputs_that_could_not_be_written_are_refused_before_the_work(tmp_path,
     assert afile.read_text() == "keep"
 
 
+def test_an_output_in_a_directory_that_cannot_be_written_is_refused_before_the_work(
+    tmp_path, capsys
+):
+    """--out or --plot where no file can be made failed only once the work was done, with
+    the name of the atomic write's temporary file ('[Errno 13] Permission denied:
+    /sys/.plan.x8f3.tmp')."""
+    places = [tmp_path / "ro" / "sub"]
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro").chmod(0o555)
+    if os.geteuid() == 0:  # root writes anywhere: a file system that takes no new files
+        places = [Path(p) / "sub" for p in ("/proc", "/sys") if Path(p).is_dir()]
+    if not places:
+        pytest.skip("no directory here refuses a new file")
+    try:
+        for place in places:
+            for marker in (None, "plan.json"):
+                with pytest.raises(InputError, match=f"{place}/out: cannot write in "):
+                    check_output(place / "out", marker=marker, what="thing")
+        args = ["trace", "synth", "--out", str(places[0] / "t"), "--tokens", "100"]
+        assert main([*args, "--requests", "4"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "cannot write in" in err[0] and ".tmp" not in err[0], err
+        assert list(tmp_path.rglob("*moeplan-probe*")) == []
+    finally:
+        (tmp_path / "ro").chmod(0o755)
+
+
 def test_a_file_output_never_replaces_a_device_or_a_pipe(tmp_path, capsys):
     # the rename of the atomic write would put a regular file in its place (as root,
     # `export --out /dev/null` replaced /dev/null)
