@@ -103,7 +103,7 @@ def assign_tokens(
     # of two, which is exact and leaves the prices (gain per unit of load) as they are, so
     # that the absolute tolerances below and HiGHS's stay small against them: with loads
     # of 1e-9, every token fitted anywhere within them. Loads of 1 and more stay as they are.
-    shift = _shift_to_one(np.concatenate((room, freq)))
+    shift = shift_to_one(np.concatenate((room, freq)))
     if shift == 0:
         return _assign_tokens(gain, freq, room, prices, sweeps, exact, effort)
     return _assign_tokens(
@@ -112,7 +112,7 @@ def assign_tokens(
     )  # fmt: skip
 
 
-def _shift_to_one(values: np.ndarray) -> int:
+def shift_to_one(values: np.ndarray) -> int:
     """k > 0 such that the largest finite ``|values|`` times 2**k lies in [1, 2), when it is
     below 1 (else 0)."""
     top = float(np.abs(values[np.isfinite(values)]).max(initial=0.0))

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -85,8 +86,9 @@ from pulp.apis import coin_api
 from planner._io import atomic_path
 from planner.errors import InfeasibleError, InputError
 from planner.solve import highs_child
+from planner.solve.assign import shift_to_one
 from planner.solve.common import assign_for_problem, check_options, device_gains, finish
-from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig
+from planner.solve.problem import LOAD_RTOL, LayerPlacement, LayerProblem, SolverConfig
 
 DEFAULTS: dict[str, object] = {
     "solver": "highs",  # "highs" (highspy API) or "cbc"
@@ -178,17 +180,21 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
             "ilp: the solver returned an expert placement that breaks N/E per device"
         )
     exact = keep.size == problem.num_tokens
+    shift, bound = _program_shift(sub, capacity), _bound(prog, solver)
     t = None
     if exact:
         t = np.array([_argmax_var(y_vars[j]) for j in range(problem.num_tokens)], dtype=np.int64)
+    overrun = t is not None and problem.balance == "cap" and _over_cap(problem, t, capacity)
+    if overrun:  # HiGHS's absolute tolerances on loads near 1e14: a y of 1e-6 is 1e8 tokens
+        t = None
     info = {
         "status": status,
         "solver": str(opts["solver"]),
         "exact": exact,
         "tokens_in_program": int(keep.size),
         "tokens": int(problem.num_tokens),
-        "program_objective": float(pulp.value(prog.objective) or 0.0),
-        "bound": _bound(prog, solver),
+        "program_objective": math.ldexp(float(pulp.value(prog.objective) or 0.0), -shift),
+        "bound": None if bound is None else math.ldexp(bound, -shift),
         "symmetry_breaking": bool(opts["symmetry_breaking"]),
         "time_limit": time_limit,
         "token_cap": capacity if np.isfinite(capacity) else None,
@@ -198,6 +204,11 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
         info["seconds_over_limit"] = round(over, 1)
     if getattr(solver, "stopped", False):
         info["stopped_at_deadline"] = True
+    if overrun:
+        info["note"] = (
+            "the program's token assignment broke its cap (the solver's tolerances on large "
+            "loads); the tokens placed by the shared assignment"
+        )
     if not exact:
         info["note"] = (
             f"program on the {keep.size} most frequent of {problem.num_tokens} tokens; "
@@ -224,7 +235,11 @@ def build_program(
     ``x_vars[k]`` / ``y_vars[j]`` map device -> variable (absent = fixed to 0 by symmetry).
     """
     n, e, per = problem.num_experts, problem.ep_size, problem.experts_per_device
-    w = problem.affinity
+    cap = problem.capacity if capacity is None else float(capacity)
+    # activations and loads all below 1 (given as shares) are scaled up by a power of two:
+    # HiGHS's tolerances are absolute, and at 1e-9 it took every objective for zero
+    shift = _program_shift(problem, cap)
+    w, freq, cap = problem.affinity, np.ldexp(problem.token_freq, shift), math.ldexp(cap, shift)
     prog = pulp.LpProblem("moeplan_coplacement", pulp.LpMaximize)
     x_vars = [
         {
@@ -243,7 +258,7 @@ def build_program(
     local_terms = []
     for j in range(problem.num_tokens):
         for pos in range(w.indptr[j], w.indptr[j + 1]):
-            k, weight = int(w.indices[pos]), float(w.data[pos])
+            k, weight = int(w.indices[pos]), math.ldexp(float(w.data[pos]), shift)
             for d, xv in x_vars[k].items():
                 z = pulp.LpVariable(f"z_{j}_{k}_{d}", lowBound=0, upBound=1)
                 if start is not None:  # z = x[k, d] * y[j, d]
@@ -253,17 +268,16 @@ def build_program(
                 local_terms.append((z, weight))
     local = pulp.LpAffineExpression(local_terms)
     loads = [
-        pulp.lpSum(float(problem.token_freq[j]) * y_vars[j][d] for j in range(problem.num_tokens))
+        pulp.lpSum(float(freq[j]) * y_vars[j][d] for j in range(problem.num_tokens))
         for d in range(e)
     ]
-    cap = problem.capacity if capacity is None else float(capacity)
     if problem.balance == "cap":
         prog += local
         for d in range(e):
             if np.isfinite(cap):  # a beta near 1e308 overflows the cap: no cap then
                 prog += loads[d] <= cap, f"load_{d}"
     else:
-        mean = problem.total_freq / e
+        mean = float(freq.sum()) / e
         dev = [pulp.LpVariable(f"dev_{d}", lowBound=0) for d in range(e)]
         for d in range(e):
             if start is not None:  # dev_d = |load_d - S/E|
@@ -281,6 +295,20 @@ def build_program(
     for j in range(problem.num_tokens):
         prog += pulp.lpSum(y_vars[j].values()) == 1, f"token_once_{j}"
     return prog, x_vars, y_vars
+
+
+def _over_cap(problem: LayerProblem, t: np.ndarray, capacity: float) -> bool:
+    """Whether token assignment ``t`` puts more than ``capacity`` on a device."""
+    loads = np.bincount(t, weights=problem.token_freq, minlength=problem.ep_size)
+    return bool(loads.max() > capacity * (1 + LOAD_RTOL))
+
+
+def _program_shift(problem: LayerProblem, capacity: float) -> int:
+    """The power of two the program's coefficients are scaled by (0 unless all are below 1;
+    :func:`planner.solve.assign.shift_to_one`); one for activations and loads alike, so that
+    penalty mode's objective keeps its meaning."""
+    values = np.concatenate((problem.affinity.data, problem.token_freq, [capacity]))
+    return shift_to_one(values)
 
 
 def _start(problem: LayerProblem) -> tuple[np.ndarray, np.ndarray]:

@@ -281,6 +281,32 @@ def test_metis_prints_nothing_on_stdout(capfd) -> None:
     assert out == ""
 
 
+@pytest.mark.parametrize("balance", ["cap", "penalty"])
+def test_ilp_proves_the_same_optimum_on_shares_and_on_huge_counts(balance: str) -> None:
+    """HiGHS's tolerances are absolute: with activations and loads given as shares of 1e-9
+    it called a placement 26% below the optimum optimal (every objective looked like 0),
+    and with loads near 1e14 a y of 1e-6 hid 1e8 tokens, so its 'optimal' token
+    assignment broke the cap (token imbalance 1.67 at beta 1.1, inside validation's
+    slack). Shares now go to the program scaled up by a power of two, and a token
+    assignment over its cap is replaced by the shared assignment."""
+    base = random_problem(40, 16, 4, seed=5, balance=balance)
+    config = SolverConfig(time_limit=10)
+    counts = solve_layer(base, "ilp", config)
+    assert counts.info["status"] == "optimal"
+    for scale in (1e-9, 1e-12):
+        p = base.with_options(affinity=base.affinity * scale, token_freq=base.token_freq * scale)
+        shares = solve_layer(p, "ilp", config)
+        assert shares.local_rate == pytest.approx(counts.local_rate, rel=1e-9)
+        assert shares.info["program_objective"] == pytest.approx(
+            counts.info["program_objective"] * scale, rel=1e-6
+        )
+    if balance == "cap":
+        p = base.with_options(affinity=base.affinity * 1e14, token_freq=base.token_freq * 1e14)
+        huge = solve_layer(p, "ilp", config)
+        assert huge.token_imbalance <= base.beta * (1 + 1e-9)
+        assert "broke its cap" in huge.info["note"]
+
+
 def test_ilp_starts_from_a_feasible_placement_and_never_ends_below_it() -> None:
     # with too little time to find a placement of its own the ILP used to fail ("found no
     # placement within ... s"); it now gets the contiguous experts and the shared assignment
