@@ -49,8 +49,10 @@ def _check_lp_path(opts: dict, inputs: tuple, outputs: tuple = ()) -> None:
     the plan then replaces): checked before the work."""
     ilp = opts.get("ilp")
     lp_path = ilp.get("lp_path") if isinstance(ilp, dict) else None
-    if not (isinstance(lp_path, str) and lp_path):
+    if not isinstance(lp_path, str):
         return
+    if not lp_path:  # it would write nothing, without a word
+        check_lp_path(lp_path)
     here = Path(lp_path).resolve()
     for out in filter(None, outputs):
         if here == Path(out).resolve() or Path(out).resolve() in here.parents:
@@ -293,8 +295,13 @@ def comparison_table(result: dict, title: str, note: str | None = None) -> Table
         table.add_row(*(fmt(r.get(c)) for c, _ in cols))
     bound, van = result["oracle_bound"], result["lar_vanilla"]
     table.caption = (
-        f"per-token oracle bound {fmt(bound)}; positional vanilla LAR {fmt(van)}; best baseline "
-        f"{result['best_baseline']}; 90% CI: paired bootstrap of the ratio over the "
-        f"{result['requests']} held-out requests" + (f"; {note}" if note else "")
+        f"per-token oracle bound {fmt(bound)}; positional vanilla LAR {fmt(van)}; "
+        + (
+            f"best baseline {best}; 90% CI: paired bootstrap of the ratio over the "
+            f"{result['requests']} held-out requests"
+            if (best := result["best_baseline"]) is not None
+            else "no baseline among the methods, so no ratio"
+        )
+        + (f"; {note}" if note else "")
     )
     return table

@@ -141,7 +141,7 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     capacity = sub.capacity
     start = _start(sub) if opts["start"] else None
     prog, x_vars, y_vars = build_program(sub, symmetry_breaking=symmetry, start=start)
-    if opts["lp_path"]:
+    if opts["lp_path"] is not None:
         lp_path = check_lp_path(str(opts["lp_path"]))
         if problem.layer is not None:
             lp_path = lp_path.with_name(f"{lp_path.stem}.layer{problem.layer}{lp_path.suffix}")

@@ -302,3 +302,25 @@ def test_compare_plot_time_limit_and_batch_size_are_checked_up_front(predictor_d
     args = ["solve", str(pred), "--ep", "2", "--out", "never", "--time-limit", "inf"]
     assert main(args) == 2
     assert "must be positive, finite seconds" in capsys.readouterr().err
+
+
+def test_an_empty_ilp_lp_path_is_refused(predictor_dir, small_problem, tmp_path, capsys):
+    """lp_path "" wrote no LP file and said nothing."""
+    opts = json.dumps({"ilp": {"max_variables": 200, "lp_path": ""}})
+    plan = tmp_path / "plan"
+    args = ["solve", str(predictor_dir / "pred"), "--ep", "2", "--method", "ilp"]
+    assert main([*args, "--out", str(plan), "--options", opts]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moeplan: error:") and "must end in .lp" in err and "\n" not in err
+    assert not plan.exists()
+    with pytest.raises(InputError, match="must end in .lp"):
+        solve_layer(small_problem, "ilp", SolverConfig(options={"ilp": {"lp_path": ""}}))
+
+
+def test_compare_without_a_baseline_says_so(predictor_dir, capsys):
+    """--methods ceo,vanilla captioned the table 'best baseline None'."""
+    args = ["compare", str(predictor_dir / "pred"), str(predictor_dir / "trace"), "--ep", "2"]
+    capsys.readouterr()
+    assert main([*args, "--methods", "ceo,vanilla"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "no baseline among the methods" in out and "best baseline None" not in out
