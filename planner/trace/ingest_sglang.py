@@ -162,7 +162,13 @@ def _to_numpy(value, what: str, where: Path, ndim: int) -> np.ndarray:
     if isinstance(value, torch.Tensor):
         arr = value.detach().cpu().numpy()
     elif isinstance(value, list | tuple):
-        arr = np.asarray(value)
+        try:
+            arr = np.asarray(value)
+        except ValueError:  # rows of different lengths
+            raise SchemaError(
+                f"{where}: {what} is a ragged list (rows of different lengths), expected a "
+                f"{ndim}-d integer array"
+            ) from None
         if arr.size == 0:
             arr = arr.reshape((0,) * ndim).astype(np.int64)
     else:
@@ -172,6 +178,9 @@ def _to_numpy(value, what: str, where: Path, ndim: int) -> np.ndarray:
             f"{where}: {what} has shape {arr.shape} and dtype {arr.dtype}, "
             f"expected a {ndim}-d integer array"
         )
+    if arr.dtype == np.uint64 and arr.size and arr.max() > np.iinfo(np.int64).max:
+        # astype(int64) would wrap it to a negative id (-1: padding, an unknown token)
+        raise SchemaError(f"{where}: {what} value {int(arr.max())} does not fit int64")
     return arr.astype(np.int64, copy=False)
 
 
@@ -302,7 +311,11 @@ def segment_starts(positions: np.ndarray, extend_seq_lens, forward_mode) -> np.n
     starts = np.zeros(t, bool)
     if t == 0:
         return starts
-    if extend_seq_lens is not None and extend_seq_lens.sum() == t and (extend_seq_lens >= 0).all():
+    if (
+        extend_seq_lens is not None
+        and ((extend_seq_lens >= 0) & (extend_seq_lens <= t)).all()  # no int64 wrap in the sum
+        and extend_seq_lens.sum() == t
+    ):
         offsets = np.cumsum(extend_seq_lens)[:-1]
         starts[0] = True
         starts[offsets[offsets < t]] = True

@@ -85,6 +85,16 @@ def test_segment_rules():
     # otherwise positions decide
     assert segment_starts(pos, None, 1).tolist() == [1, 0, 0, 1, 0, 1, 0]
     assert segment_starts(pos, np.array([3]), 3).tolist() == [1, 0, 0, 1, 0, 1, 0]
+    # lengths whose int64 sum wraps round to T are no segmentation: positions decide
+    assert segment_starts(pos, np.array([2**63 - 1, 2**63 - 1, 9]), 1).tolist() == [
+        1,
+        0,
+        0,
+        1,
+        0,
+        1,
+        0,
+    ]
     # a decode pass is one token per request even where positions look consecutive
     assert segment_starts(np.array([4, 5, 9]), None, 2).tolist() == [1, 1, 1]
 
@@ -250,6 +260,15 @@ def test_cli_force_onto_the_input_is_one_line(dump_dir, capsys):
         (
             lambda good, r0: dict(good, records=[dict(r0, positions=[2**31 + i for i in range(len(r0["positions"]))])]),
             "positions value .* does not fit",
+        ),
+        # ragged lists were a ValueError traceback
+        (lambda good, r0: dict(good, records=[dict(r0, input_ids=[[1], [2, 3]] + r0["input_ids"][2:])]), "input_ids is a ragged list"),
+        (lambda good, r0: dict(good, records=[dict(r0, extend_seq_lens=[[3], [4, 1]])]), "extend_seq_lens is a ragged list"),
+        (lambda good, r0: dict(good, last_physical_to_logical_map=[[0, 1], [0]]), "last_physical_to_logical_map is a ragged list"),
+        # uint64 ids past int64 wrapped to -1 and were written as unknown tokens
+        (
+            lambda good, r0: dict(good, records=[dict(r0, input_ids=torch.from_numpy(np.full(len(r0["input_ids"]), 2**64 - 1, np.uint64)))]),
+            "input_ids value 18446744073709551615 does not fit",
         ),
     ],
 )  # fmt: skip
