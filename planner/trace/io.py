@@ -262,6 +262,33 @@ def _batch_from_record_batch(
     )
 
 
+def _unreadable(part: Path, e: BaseException) -> SchemaError:
+    detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return SchemaError(f"{part}: unreadable Parquet data ({detail}); the file is damaged")
+
+
+def read_columns(part: Path, columns: list[str]) -> pa.Table:
+    """``columns`` of one part; SchemaError naming the part if its data cannot be decoded."""
+    try:
+        return pq.read_table(part, columns=columns)
+    except (OSError, pa.ArrowException) as e:
+        raise _unreadable(part, e) from None
+
+
+def _part_batches(part: Path, batch_rows: int, columns: list[str]) -> Iterator[pa.RecordBatch]:
+    """The record batches of one part; SchemaError naming the part if a page cannot be
+    decoded (pyarrow raised ArrowInvalid, a traceback, or an OSError without the file name)."""
+    batches = pq.ParquetFile(part).iter_batches(batch_size=batch_rows, columns=columns)
+    while True:
+        try:
+            rb = next(batches, None)
+        except (OSError, pa.ArrowException) as e:
+            raise _unreadable(part, e) from None
+        if rb is None:
+            return
+        yield rb
+
+
 def _part_order(part: Path) -> tuple[int, str]:
     """Numbered parts by their number (part-9 before part-10), others after them by name."""
     m = _PART_RE.match(part.name)
@@ -413,8 +440,7 @@ class Trace:
             missing = [e for e in extras if e not in schema.names]
             if missing:
                 raise SchemaError(f"{part}: has no column(s) {', '.join(missing)}")
-            pf = pq.ParquetFile(part)
-            for rb in pf.iter_batches(batch_size=batch_rows, columns=columns):
+            for rb in _part_batches(part, batch_rows, columns):
                 batch = _batch_from_record_batch(rb, self.meta, tuple(extras), str(part))
                 if validate:
                     batch.validate(self.meta, where=str(part))
@@ -433,7 +459,7 @@ class Trace:
 
     def request_ids(self) -> np.ndarray:
         """Sorted distinct request ids (reads one column only)."""
-        seen = [pq.read_table(p, columns=["request_id"]).column(0).to_numpy() for p in self.parts]
+        seen = [read_columns(p, ["request_id"]).column(0).to_numpy() for p in self.parts]
         return np.unique(np.concatenate(seen)) if seen else np.zeros(0, np.int64)
 
 

@@ -234,6 +234,37 @@ def test_cli_info_refuses_nulls_in_one_line(tmp_path, small_meta, capsys):
     assert len(err) == 1 and "request_id holds 1 null(s)" in err[0]
 
 
+@pytest.mark.parametrize(("column", "compression"), [("weights", "NONE"), ("request_id", "zstd")])
+def test_damaged_column_data_is_one_line_naming_the_file(
+    tmp_path, small_meta, capsys, column, compression
+):
+    """A page that does not decode: pyarrow raised ArrowInvalid (trace info and split printed a
+    traceback) or an OSError whose message did not name the file."""
+    from planner.cli.main import main
+
+    path = tmp_path / "t.parquet"
+    table = random_batch(small_meta, 300).to_table(small_meta)
+    pq.write_table(table, path, compression=compression)
+    group = pq.ParquetFile(path).metadata.row_group(0)
+    chunk = next(
+        group.column(c)
+        for c in range(group.num_columns)
+        if group.column(c).path_in_schema.split(".")[0] == column
+    )
+    end = (chunk.dictionary_page_offset or chunk.data_page_offset) + chunk.total_compressed_size
+    data = bytearray(path.read_bytes())
+    data[end - 16 : end] = b"\xff" * 16  # the chunk's last bytes: its last page's data
+    path.write_bytes(bytes(data))
+    with pytest.raises(SchemaError, match="t.parquet: unreadable Parquet data"):
+        list(open_trace(path).iter_batches())
+    if column == "request_id":
+        with pytest.raises(SchemaError, match="t.parquet: unreadable Parquet data"):
+            open_trace(path).request_ids()
+    assert main(["trace", "info", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{path}: unreadable Parquet data" in err[0]
+
+
 def test_repeated_experts_and_negative_positions_are_refused(tmp_path, small_meta):
     batch = random_batch(small_meta, 20)
     batch.experts[3, 1, 1] = batch.experts[3, 1, 0]
