@@ -34,6 +34,7 @@ from scipy import sparse
 from planner._checks import is_integer
 from planner._io import atomic_path
 from planner.errors import InputError, SchemaError
+from planner.trace.io import read_columns
 from planner.trace.schema import (
     COUNTS_COLUMNS,
     META_KEY,
@@ -452,7 +453,7 @@ def read_counts_table(
             raise SchemaError(
                 f"{path}: counts schema_version {declared.get('schema_version')} is not supported (expected 1)"
             )
-    table = pq.read_table(path)
+    table = read_columns(path)
     model = _pick_model(table, selection.model, path)
     if model is None and selection.model is not None:
         # no model column: --model must name the model the metadata records

@@ -267,8 +267,9 @@ def _unreadable(part: Path, e: BaseException) -> SchemaError:
     return SchemaError(f"{part}: unreadable Parquet data ({detail}); the file is damaged")
 
 
-def read_columns(part: Path, columns: list[str]) -> pa.Table:
-    """``columns`` of one part; SchemaError naming the part if its data cannot be decoded."""
+def read_columns(part: Path, columns: list[str] | None = None) -> pa.Table:
+    """``columns`` (None: all) of one Parquet file; SchemaError naming it if its data cannot
+    be decoded."""
     try:
         return pq.read_table(part, columns=columns)
     except (OSError, pa.ArrowException) as e:

@@ -182,6 +182,29 @@ def test_counts_table_round_trip(tmp_path, small_meta):
     assert back.top1_by_layer is None
 
 
+def test_damaged_counts_table_names_the_file(tmp_path, small_meta):
+    """A page that does not decode was an OSError without the file's name."""
+    rng = np.random.default_rng(3)
+    n = 400
+    counts = counts_from_triples(
+        small_meta,
+        rng.integers(0, small_meta.num_layers, n),
+        rng.integers(0, small_meta.vocab_size, n),
+        rng.integers(0, small_meta.num_experts, n),
+        rng.integers(1, 5, n),
+    )
+    path = write_counts_table(tmp_path / "c.parquet", counts)  # zstd
+    group = pq.ParquetFile(path).metadata.row_group(0)
+    chunk = next(group.column(c) for c in range(group.num_columns)
+                 if group.column(c).path_in_schema == "count")  # fmt: skip
+    end = (chunk.dictionary_page_offset or chunk.data_page_offset) + chunk.total_compressed_size
+    data = bytearray(path.read_bytes())
+    data[end - 16 : end] = b"\xff" * 16
+    path.write_bytes(bytes(data))
+    with pytest.raises(SchemaError, match="c.parquet: unreadable Parquet data"):
+        read_counts_table(path)
+
+
 def _olmoe_like(tmp_path):
     """A small table in the layout of the real OLMoE export (model/domain, model layer ids)."""
     rows = {
