@@ -505,6 +505,8 @@ def read_counts_table(
         if layer.min() < 0 or layer.max() >= len(layer_values):
             bad = int(layer.min()) if layer.min() < 0 else int(layer.max())
             raise SchemaError(f"{path}: layer {bad} outside [0, {len(layer_values)}) (num_layers)")
+    elif layer_values[0] < 0:  # sorted: the model's layer indices
+        raise SchemaError(f"{path}: layer {int(layer_values[0])} is negative (a model layer index)")
     _check_range(path, "token_id", token, shape["vocab_size"], "vocab_size")
     _check_range(path, "expert", expert, shape["num_experts"], "num_experts")
     moe_index = np.searchsorted(layer_values, layer)

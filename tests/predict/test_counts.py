@@ -259,6 +259,14 @@ def test_counts_out_of_range_ids_are_refused(tmp_path):
     path = _olmoe_like(tmp_path)
     with pytest.raises(SchemaError, match="token_id 7 outside"):
         read_counts_table(path, CountsSelection(model="OLMoE", vocab_size=6))
+    # a negative layer without num_layers metadata: the error named neither file nor column
+    table = pq.read_table(path)
+    layers = table.column("layer").to_numpy().copy()
+    layers[0] = -3
+    table = table.set_column(table.schema.get_field_index("layer"), "layer", pa.array(layers))
+    pq.write_table(table, path)
+    with pytest.raises(SchemaError, match="olmoe_like.parquet: layer -3 is negative"):
+        read_counts_table(path, CountsSelection(model="OLMoE"))
 
 
 def test_counts_meta_mismatch_is_refused(small_meta):
