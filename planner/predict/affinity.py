@@ -228,7 +228,11 @@ class TokenExpertAffinity:
         return self.token_counts_.astype(np.float64)
 
     def _token_ids(self, token_ids: np.ndarray) -> np.ndarray:
-        ids = np.asarray(token_ids, np.int64)
+        given = np.asarray(token_ids)
+        # a float id was truncated (1.7 read token 1), a uint64 past int64 wrapped to -1
+        if given.size and (given.dtype.kind not in "iu" or given.max() > np.iinfo(np.int64).max):
+            raise InputError(f"token ids must be integers in [-1, {self.meta_.vocab_size})")
+        ids = given.astype(np.int64)
         bad = (ids < -1) | (ids >= self.meta_.vocab_size)
         if bad.any():
             raise InputError(f"token id {int(ids[bad][0])} outside [-1, {self.meta_.vocab_size})")
@@ -273,6 +277,8 @@ class TokenExpertAffinity:
         rows = self.source_rows(token_ids)
         n = self.meta_.num_experts
         e = np.asarray(experts, np.int64)
+        if e.size and (e.min() < 0 or e.max() >= n):  # a key past n is another token's
+            raise InputError(f"expert ids must lie in [0, {n}), got {int(e.min())}-{int(e.max())}")
         keys = np.maximum(rows, 0)[:, None] * n + e
         counts = np.zeros(keys.shape, np.int64)
         if t.pair_keys.shape[0]:

@@ -127,6 +127,8 @@ class TopOneTransitions:
 
     def layer(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """(tuples [M_l, 5] int16, counts [M_l] int64) of layer ``l``."""
+        if not 0 <= layer < self.num_layers:  # -1 read the last layer
+            raise InputError(f"layer {layer} outside [0, {self.num_layers})")
         lo, hi = int(self.layer_offsets[layer]), int(self.layer_offsets[layer + 1])
         return self.keys[lo:hi], self.counts[lo:hi]
 

@@ -61,6 +61,26 @@ def test_unseen_and_unknown_tokens_use_the_global_top_k():
         TokenExpertAffinity().predict_topk(np.array([1]), 0)
 
 
+@pytest.mark.parametrize(
+    "ids", [np.array([1.7]), np.array([np.nan]), np.array([2**64 - 1], np.uint64)]
+)
+def test_token_ids_that_are_not_integers_are_refused(ids):
+    """1.7 read token 1; a uint64 past int64 wrapped to -1, the unknown token."""
+    aff = TokenExpertAffinity().fit(hand_counts())
+    with pytest.raises(InputError, match="must be integers"):
+        aff.predict_topk(ids, 0)
+    assert aff.predict_topk(np.array([], np.float64), 0).shape == (0, 2)
+
+
+def test_routed_share_refuses_expert_ids_outside_the_layer():
+    """Expert 6 of 6 read the count of token 2's expert 0 (key 1 * 6 + 6 = 2 * 6 + 0)."""
+    aff = TokenExpertAffinity().fit(hand_counts())
+    np.testing.assert_allclose(aff.routed_share(np.array([1]), np.array([[0, 3]]), 0), [[0.8, 0.8]])
+    for bad in (6, -1):
+        with pytest.raises(InputError, match=r"expert ids must lie in \[0, 6\)"):
+            aff.routed_share(np.array([1]), np.array([[0, bad]]), 0)
+
+
 def test_embedding_fallback_borrows_the_nearest_known_token():
     # Token 6 (unseen) points the same way as token 2; token 7 the same way as token 1.
     emb = np.zeros((8, 3), np.float32)

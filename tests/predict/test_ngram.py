@@ -39,6 +39,9 @@ def test_transition_tuples_on_a_hand_case():
     keys, counts = t.layer(4)  # context: top-1 experts of layers 1..3
     assert keys.tolist() == [[4, 5, 6, 0, 1], [4, 5, 6, 7, 0], [6, 7, 0, 1, 0], [6, 7, 0, 2, 1]]
     assert counts.tolist() == [2, 2, 1, 1]
+    for bad in (-1, 5):  # -1 read the last layer, 5 an IndexError
+        with pytest.raises(InputError, match=r"layer .* outside \[0, 5\)"):
+            t.layer(bad)
 
 
 def test_routed_target_counts_every_routed_expert():
