@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from planner.predict.counts import TokenExpertCounts, counts_from_triples
 from planner.trace import TraceBatch, TraceMeta
 from planner.trace.io import write_trace
 from planner.trace.synth import SynthConfig, SynthGenerator, synthesize
@@ -98,3 +99,16 @@ def twin_trace(directory: Path, seed: int = 0) -> Path:
     emb = np.concatenate([emb, emb + rng.normal(0, 0.05, emb.shape).astype(np.float32)])
     save_file({"embeddings": emb}, str(directory / "embeddings.safetensors"))
     return directory
+
+
+def random_counts(meta: TraceMeta, n: int, seed: int, max_count: int = 5) -> TokenExpertCounts:
+    """``n`` random (layer, token, expert, count) triples of ``meta`` as a counts table
+    (counts in [1, max_count))."""
+    rng = np.random.default_rng(seed)
+    return counts_from_triples(
+        meta,
+        rng.integers(0, meta.num_layers, n),
+        rng.integers(0, meta.vocab_size, n),
+        rng.integers(0, meta.num_experts, n),
+        rng.integers(1, max_count, n),
+    )

@@ -23,6 +23,7 @@ from planner.predict.counts import (
 )
 from planner.trace import TraceMeta
 from tests.conftest import OLMOE_COUNTS, random_batch, require
+from tests.predict.conftest import random_counts
 
 
 def naive_counts(token_id, experts, rank0_only=False):
@@ -165,13 +166,7 @@ def test_sorted_key_counter_narrow_and_wide_keys_agree():
 
 
 def test_counts_table_round_trip(tmp_path, small_meta):
-    rng = np.random.default_rng(2)
-    n = 60
-    layer = rng.integers(0, small_meta.num_layers, n)
-    tok = rng.integers(0, small_meta.vocab_size, n)
-    ex = rng.integers(0, small_meta.num_experts, n)
-    cnt = rng.integers(1, 5, n)
-    counts = counts_from_triples(small_meta, layer, tok, ex, cnt)
+    counts = random_counts(small_meta, 60, seed=2)
     path = write_counts_table(tmp_path / "c.parquet", counts)
     back = read_counts_table(path)
     assert back.meta.fingerprint() != ""  # model name comes from the metadata
@@ -184,15 +179,7 @@ def test_counts_table_round_trip(tmp_path, small_meta):
 
 def test_damaged_counts_table_names_the_file(tmp_path, small_meta):
     """A page that does not decode was an OSError without the file's name."""
-    rng = np.random.default_rng(3)
-    n = 400
-    counts = counts_from_triples(
-        small_meta,
-        rng.integers(0, small_meta.num_layers, n),
-        rng.integers(0, small_meta.vocab_size, n),
-        rng.integers(0, small_meta.num_experts, n),
-        rng.integers(1, 5, n),
-    )
+    counts = random_counts(small_meta, 400, seed=3)
     path = write_counts_table(tmp_path / "c.parquet", counts)  # zstd
     group = pq.ParquetFile(path).metadata.row_group(0)
     chunk = next(group.column(c) for c in range(group.num_columns)

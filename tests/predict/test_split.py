@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.errors import InputError
-from planner.predict.counts import counts_from_triples
 from planner.predict.split import RequestSplit, check_fraction, thin_counts
+from tests.predict.conftest import random_counts
 
 
 @settings(max_examples=60, deadline=None)
@@ -51,15 +51,7 @@ def test_fraction_outside_open_interval_is_refused(bad):
 
 
 def test_thinning_conserves_counts_and_follows_fraction(small_meta):
-    rng = np.random.default_rng(0)
-    n = 300
-    counts = counts_from_triples(
-        small_meta,
-        rng.integers(0, small_meta.num_layers, n),
-        rng.integers(0, small_meta.vocab_size, n),
-        rng.integers(0, small_meta.num_experts, n),
-        rng.integers(1, 200, n),
-    )
+    counts = random_counts(small_meta, 300, seed=0, max_count=200)
     fit, held = thin_counts(counts, 0.3, seed=4)
     for a, b, c in zip(fit.by_layer, held.by_layer, counts.by_layer, strict=True):
         assert ((a + b) != c).nnz == 0
