@@ -147,7 +147,11 @@ def ingest_sglang(
         f"dropped {s['dropped_tokens']} padded tokens and {s['duplicate_records']} replica records; "
         "weights are uniform 1/k (SGLang records ids only)"
     )
-    if s["unknown_tokens"]:
+    if s["unknown_tokens"] and s["vocab_inferred"]:
+        console.print(
+            f"{s['unknown_tokens']} tokens had negative ids and are written as -1 (unknown)"
+        )
+    elif s["unknown_tokens"]:
         console.print(
             f"{s['unknown_tokens']} tokens had ids outside [0, {s['vocab_size']}) and are written "
             "as -1 (unknown): is --vocab-size the model's?"

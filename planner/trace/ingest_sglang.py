@@ -479,19 +479,23 @@ def convert_sglang(
     names = ", ".join(f.name for f in files[:3]) + (
         f" (+{len(files) - 3} more)" if len(files) > 3 else ""
     )
-    meta = TraceMeta(
-        model=model,
-        num_layers=int(big_l),
-        num_experts=num_experts,
-        top_k=k,
-        vocab_size=int(vocab_size),
-        moe_layer_indices=tuple(int(i) for i in moe_layers),
-        source=(
-            f"sglang per_token dump ({names}); physical ids mapped to logical with "
-            f"last_physical_to_logical_map ({num_physical} physical slots); weights are uniform "
-            f"1/k because SGLang records expert ids only; request ids are per-pass segments"
-        ),
-    )
+    try:
+        meta = TraceMeta(
+            model=model,
+            num_layers=int(big_l),
+            num_experts=num_experts,
+            top_k=k,
+            vocab_size=int(vocab_size),
+            moe_layer_indices=tuple(int(i) for i in moe_layers),
+            source=(
+                f"sglang per_token dump ({names}); physical ids mapped to logical with "
+                f"last_physical_to_logical_map ({num_physical} physical slots); weights are "
+                f"uniform 1/k because SGLang records expert ids only; request ids are per-pass "
+                f"segments"
+            ),
+        )
+    except SchemaError as e:  # e.g. a map whose logical ids go past int16's
+        raise SchemaError(f"{names}: {e}") from None
     weights = np.full(experts.shape, 1.0 / k, np.float16)
     batch = TraceBatch.from_arrays(requests, np.concatenate(rows_pos), token_id, experts, weights)
     batch.validate(meta, where="sglang ingest")
@@ -502,7 +506,7 @@ def convert_sglang(
         duplicate_records=duplicates,
         tokens=len(batch),
         dropped_tokens=dropped,
-        unknown_tokens=int(unknown.sum()) if not vocab_inferred else 0,
+        unknown_tokens=int(unknown.sum()),  # negative ids only, where the vocabulary is inferred
         requests=int(np.unique(requests).size),
         num_physical_experts=num_physical,
         vocab_inferred=vocab_inferred,

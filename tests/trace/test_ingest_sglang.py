@@ -73,6 +73,19 @@ def test_vocab_inferred_and_unknown_tokens(dump_dir):
     assert (batch.token_id == -1).sum() == stats.unknown_tokens
 
 
+def test_negative_ids_count_as_unknown_where_the_vocab_is_inferred(tmp_path, capsys):
+    """They were written as -1 while the summary said 0 unknown tokens."""
+    dumps, _ = fixture.build()
+    good = next(iter(dumps.values()))
+    r0 = good["records"][0]
+    ids = [-5] * 3 + list(r0["input_ids"][3:])
+    path = _save(tmp_path / "neg.pt", dict(good, records=[dict(r0, input_ids=ids)]))
+    _, batch, stats = convert_sglang([path])
+    assert stats.vocab_inferred and stats.unknown_tokens == 3 == (batch.token_id == -1).sum()
+    assert main(["trace", "ingest", "sglang", str(path), "--out", str(tmp_path / "t")]) == 0
+    assert "3 tokens had negative ids" in " ".join(capsys.readouterr().out.split())
+
+
 def test_skip_decode(dump_dir):
     _, batch, _ = convert_sglang([dump_dir], skip_decode=True)
     assert len(batch) == 16 and 7 not in batch.request_id
@@ -269,6 +282,11 @@ def test_cli_force_onto_the_input_is_one_line(dump_dir, capsys):
         (
             lambda good, r0: dict(good, records=[dict(r0, input_ids=torch.from_numpy(np.full(len(r0["input_ids"]), 2**64 - 1, np.uint64)))]),
             "input_ids value 18446744073709551615 does not fit",
+        ),
+        # the file was not named
+        (
+            lambda good, r0: dict(good, last_physical_to_logical_map=torch.as_tensor(good["last_physical_to_logical_map"]) + 500_000),
+            r"bad.pt: num_experts=50000\d does not fit int16",
         ),
     ],
 )  # fmt: skip
