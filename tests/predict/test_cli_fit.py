@@ -9,8 +9,9 @@ import pytest
 
 from planner.cli.main import main
 from planner.predict.predictor import Predictor
+from planner.trace import TraceMeta
 from tests.conftest import FLAME_TRACE, OLMOE_COUNTS, require
-from tests.predict.conftest import twin_trace
+from tests.predict.conftest import chain_batch, twin_trace, write_batch
 
 
 def run_json(capsys, args) -> dict:
@@ -190,3 +191,14 @@ def test_a_config_files_eval_domain_stands_down_for_a_typed_holdout(tmp_path, ca
     args = ["--config", str(cfg), "fit", str(path), "--model", "Mixtral", "--holdout", "0.5"]
     report = run_json(capsys, [*args, "--out", str(tmp_path / "a"), "--json"])
     assert report["report"]["split"]["kind"] == "thinning"
+
+
+def test_a_vocabulary_too_large_for_memory_is_refused_before_the_pass(tmp_path, capsys):
+    """vocab_size 2**31 (the schema's largest) had fit killed for memory, without a word."""
+    meta = TraceMeta("test/huge-vocab", num_layers=32, num_experts=8, top_k=8, vocab_size=2**31)
+    tokens = np.array([0, 5, 2**31 - 1])
+    path = write_batch(tmp_path / "t.parquet", meta, chain_batch(meta, tokens, np.zeros(3)))
+    assert main(["fit", str(path), "--out", str(tmp_path / "p")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "vocab_size=2147483648 needs at least" in err and "\n" not in err
+    assert not (tmp_path / "p").exists()
