@@ -136,7 +136,6 @@ def check_output(
                 f"{path}: the command reads its input {given} there; choose another output path"
             )
     check_parents(path)
-    check_writable(path)
     owner = artifact_holding(path)
     if owner is not None:
         raise InputError(
@@ -167,6 +166,7 @@ def check_output(
                 f"{path}: exists and is not a {what} (a name ending in {' or '.join(suffixes)}); "
                 f"choose another output path"
             )
+        check_writable(path)  # last: it makes (and removes) a file beside the output
         return path
     if path.is_symlink():  # the atomic write would have to replace the link by a directory
         raise InputError(
@@ -193,6 +193,7 @@ def check_output(
                 f"{path}: holds {shown} besides a {what}'s own files, which replacing it would "
                 "delete; move them or choose another output path"
             )
+    check_writable(path)
     return path
 
 
