@@ -132,7 +132,10 @@ class NeuralPredictor:
         freq = activations.sum(axis=0).astype(np.float64)
         seen = np.flatnonzero(freq > 0)
         if seen.size == 0:
-            raise InputError("neural predictor: no token occurrences to train on")
+            raise InputError(
+                "neural predictor: no occurrence of a known token to train on (every token id "
+                "is -1, unknown, or the fitting side is empty)"
+            )
         gen = torch.Generator().manual_seed(cfg.seed)
         torch.manual_seed(cfg.seed)
 

@@ -202,3 +202,13 @@ def test_a_vocabulary_too_large_for_memory_is_refused_before_the_pass(tmp_path, 
     err = capsys.readouterr().err.strip()
     assert "vocab_size=2147483648 needs at least" in err and "\n" not in err
     assert not (tmp_path / "p").exists()
+
+
+def test_neural_on_unknown_tokens_only_says_why(tmp_path, capsys):
+    """It said 'no token occurrences to train on' of a trace with 40 of them, all id -1."""
+    meta = TraceMeta("test/unknown", num_layers=2, num_experts=8, top_k=2, vocab_size=50)
+    batch = chain_batch(meta, np.full(40, -1), np.arange(40) // 10)
+    path = write_batch(tmp_path / "t.parquet", meta, batch)
+    assert main(["fit", str(path), "--out", str(tmp_path / "p"), "--neural"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no occurrence of a known token" in err and "\n" not in err
