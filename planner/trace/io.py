@@ -78,6 +78,22 @@ def _repeated_expert(experts: np.ndarray) -> tuple[int, int] | None:
     return divmod(first, experts.shape[1])
 
 
+def _bad_weight(weights: np.ndarray | None) -> tuple[int, int, str] | None:
+    """(row, layer, what is wrong) of the first token whose gate weights at one layer are
+    not finite or not descending (the schema's order: rank 0 is the largest), else None."""
+    if weights is None or weights.size == 0:
+        return None
+    finite = np.isfinite(weights).all(axis=2)
+    descending = (weights[..., 1:] <= weights[..., :-1]).all(axis=2)  # False wherever NaN
+    if finite.all() and descending.all():
+        return None
+    if not finite.all():
+        row, layer = np.unravel_index(int(np.argmin(finite)), finite.shape)
+        return int(row), int(layer), "are not all finite"
+    row, layer = np.unravel_index(int(np.argmin(descending)), descending.shape)
+    return int(row), int(layer), "are not in descending order, as a v1 trace's are"
+
+
 @dataclass
 class TraceBatch:
     """A block of trace rows as numpy arrays (T rows, L MoE layers, k routed experts).
@@ -186,6 +202,14 @@ class TraceBatch:
             row = int(np.argmax(self.position < 0))
             raise SchemaError(
                 f"{where}: request {int(self.request_id[row])} has negative position {lo}"
+            )
+        bad_weight = _bad_weight(self.weights)
+        if bad_weight is not None:
+            row, layer, why = bad_weight
+            raise SchemaError(
+                f"{where}: the gate weights of request {int(self.request_id[row])} at position "
+                f"{int(self.position[row])}, MoE layer {layer} "
+                f"({[float(w) for w in self.weights[row, layer]]}) {why}"
             )
         repeated = _repeated_expert(self.experts)
         if repeated is not None:

@@ -280,6 +280,29 @@ def test_repeated_experts_and_negative_positions_are_refused(tmp_path, small_met
     assert not (tmp_path / "neg.parquet").exists()
 
 
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [(np.nan, "are not all finite"), (np.inf, "are not all finite"), (0.9, "not in descending")],
+)
+def test_gate_weights_must_be_finite_and_descending(tmp_path, small_meta, value, why):
+    """DESIGN.md: weights descending within each layer. NaN, inf or a rank-1 weight above
+    rank 0's passed validation and were written and read back."""
+    batch = random_batch(small_meta, 20)
+    batch.weights[:, :, 0], batch.weights[:, :, 1] = 0.6, 0.4
+    batch.validate(small_meta)  # ties pass: batch.weights[.., 1] = 0.6 would too
+    batch.weights[7, 2, 1] = value
+    with pytest.raises(SchemaError, match=f"position {batch.position[7]}, MoE layer 2 .*{why}"):
+        batch.validate(small_meta)
+    with pytest.raises(SchemaError, match=why):
+        write_trace(tmp_path / "w.parquet", small_meta, batch)
+    assert not (tmp_path / "w.parquet").exists()
+    pq.write_table(batch.to_table(small_meta), tmp_path / "w.parquet")
+    with pytest.raises(SchemaError, match=why):
+        open_trace(tmp_path / "w.parquet").read_all()
+    # stages that skip the weights column (fit, evaluate) never see them
+    assert sum(len(b) for b in open_trace(tmp_path / "w.parquet").iter_batches(weights=False)) == 20
+
+
 def test_repeated_expert_check_with_a_wide_top_k():
     from planner.trace.io import _repeated_expert
 
