@@ -181,6 +181,7 @@ def split_trace_by_domain(
     one domain must stay on the fitting side. Both outputs are written atomically.
     """
     trace = open_trace(path)
+    trace.request_ids()  # refuses a repeated (request, position) occurrence
     available = trace_domains(trace)
     wanted = sorted({str(d).strip() for d in domains if str(d).strip()})
     unknown = [d for d in wanted if d not in available]

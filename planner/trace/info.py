@@ -66,6 +66,7 @@ class LoadAccumulator:
 def trace_summary(path: str | Path) -> dict:
     """Everything ``moeplan trace info`` prints, as a JSON-ready dict."""
     trace = open_trace(path)
+    trace.request_ids()  # refuses a repeated (request, position) occurrence
     acc = LoadAccumulator(trace.meta)
     for batch in trace.iter_batches():
         acc.add(batch)

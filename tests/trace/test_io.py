@@ -303,6 +303,66 @@ def test_gate_weights_must_be_finite_and_descending(tmp_path, small_meta, value,
     assert sum(len(b) for b in open_trace(tmp_path / "w.parquet").iter_batches(weights=False)) == 20
 
 
+def test_a_repeated_occurrence_is_refused_by_every_stage_that_reads_a_trace(
+    tmp_path, small_meta, capsys
+):
+    """Two runs' parts put in one directory, both numbering requests from 0: every row was
+    counted twice by fit and evaluate. DESIGN.md: one row per token occurrence."""
+    from planner.cli.main import main
+    from planner.evaluate import EvalConfig, evaluate_bundle
+    from planner.export import Bundle
+
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    batch = random_batch(small_meta, 40, requests=3)
+    write_trace(merged / "part-00000.parquet", small_meta, batch)
+    write_trace(merged / "part-00001.parquet", small_meta, random_batch(small_meta, 40, seed=1))
+    first = int(batch.request_id[0])
+    want = f"request {first} has more than one row at position 0"
+    with pytest.raises(SchemaError, match=want):
+        open_trace(merged).request_ids()
+    bundle = Bundle.from_arrays(
+        small_meta, ep_size=2, ngram_order=1,
+        expert_to_device=[[0] * 4 + [1] * 4] * 3,
+        token_to_device=np.zeros((3, 50), int), token_confidence=np.ones((3, 50)),
+        ngram_to_device=np.zeros((3, 2), int), ngram_confidence=np.zeros((3, 2)),
+    )  # fmt: skip
+    with pytest.raises(SchemaError, match=want):
+        evaluate_bundle(bundle, open_trace(merged), EvalConfig(batch_tokens=8))
+    for argv in (
+        ["trace", "info", str(merged)],
+        ["trace", "split", str(merged), "--holdout", "0.5", "--fit-out", str(tmp_path / "a"),
+         "--heldout-out", str(tmp_path / "b")],
+        ["fit", str(merged), "--out", str(tmp_path / "pred")],
+    ):  # fmt: skip
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and want in err[0], (argv, err)
+    assert not any((tmp_path / n).exists() for n in ("a", "b", "pred"))
+    # distinct request ids make the same rows one trace
+    shifted = random_batch(small_meta, 40, seed=1)
+    shifted.request_id += 10
+    write_trace(merged / "part-00001.parquet", small_meta, shifted)
+    assert (
+        open_trace(merged).request_ids().size
+        == np.unique(batch.request_id).size + np.unique(shifted.request_id).size
+    )
+
+
+@pytest.mark.parametrize("spread", [1, 2**59])
+def test_repeated_occurrence_found_with_either_key(spread):
+    """Ids whose (request, position) pairs fit one int64 key are sorted as keys; wider ones
+    (request ids 4 * 2**59 apart) by a two-column sort. Both name the smallest repeated pair."""
+    from planner.trace.io import _repeated_occurrence
+
+    rid = np.array([5, 5, 5, 9, 9, 9], np.int64) * spread
+    pos = np.array([0, 1, 2, 3, 4, 5], np.int32)
+    assert _repeated_occurrence(rid, pos) is None
+    rid, pos = np.append(rid, [9 * spread, 5 * spread]), np.append(pos, [4, 2]).astype(np.int32)
+    assert _repeated_occurrence(rid, pos) == (5 * spread, 2)
+    assert _repeated_occurrence(rid[:1], pos[:1]) is None
+
+
 def test_repeated_expert_check_with_a_wide_top_k():
     from planner.trace.io import _repeated_expert
 
