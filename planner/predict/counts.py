@@ -22,6 +22,7 @@ Two sources:
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -519,8 +520,26 @@ def read_counts_table(
         moe_layer_indices=tuple(int(x) for x in layer_values),
         source=f"counts table {path.name}" + (f" domains={','.join(domains)}" if domains else ""),
     )
+    check_vocab_fits(meta, str(path))
     out = counts_from_triples(meta, moe_index, token, expert, count)
     return TokenExpertCounts(out.meta, out.by_layer, domains)
+
+
+def check_vocab_fits(meta: TraceMeta, where: str) -> None:
+    """InputError if the predictor's vocabulary-sized tables cannot fit in this machine's
+    memory: a trace or counts table whose ``vocab_size`` is wrong (the schema allows up to
+    2**31) had ``fit`` killed for memory, without a word, after its pass over the data (a
+    trace's) or while it read the rows (a counts table's). The estimate is a lower
+    bound: each layer's counts row pointers (int64) and top-k table (int16 [V, k]), and the
+    token's id, nearest known token and seen flag (13 bytes)."""
+    need = meta.num_layers * (meta.vocab_size + 1) * (8 + 2 * meta.top_k) + 13 * meta.vocab_size
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise InputError(
+            f"{where}: vocab_size={meta.vocab_size} needs at least {need / 2**30:.0f} GiB of "
+            f"tables for {meta.num_layers} layers, more than this machine's "
+            f"{have / 2**30:.0f} GiB; is that vocab_size the model's?"
+        )
 
 
 def _int_column(table: pa.Table, name: str, path: Path) -> np.ndarray:

@@ -12,7 +12,6 @@ thinning, or evaluated across domains (see :mod:`planner.predict.split`).
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -29,6 +28,7 @@ from planner.predict.counts import (
     CountsAccumulator,
     CountsSelection,
     TokenExpertCounts,
+    check_vocab_fits,
     is_counts_table,
     read_counts_table,
 )
@@ -44,7 +44,6 @@ from planner.predict.reliability import (
     spread_to_layers,
 )
 from planner.predict.split import RequestSplit, check_fraction, check_seed, thin_counts
-from planner.trace import TraceMeta
 from planner.trace.io import DEFAULT_BATCH_ROWS, EMBEDDINGS_FILE, open_trace
 
 
@@ -157,22 +156,6 @@ def _fit_components(
         neural = NeuralPredictor(ncfg).fit(counts, emb)
         timings["neural_seconds"] = neural.train_log_["seconds"]
     return affinity, neural, timings
-
-
-def check_vocab_fits(meta: TraceMeta, where: str) -> None:
-    """InputError if the predictor's vocabulary-sized tables cannot fit in this machine's
-    memory: a trace whose ``vocab_size`` is wrong (the schema allows up to 2**31) had ``fit``
-    killed for memory, without a word, after its pass over the trace. The estimate is a lower
-    bound: each layer's counts row pointers (int64) and top-k table (int16 [V, k]), and the
-    token's id, nearest known token and seen flag (13 bytes)."""
-    need = meta.num_layers * (meta.vocab_size + 1) * (8 + 2 * meta.top_k) + 13 * meta.vocab_size
-    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need > have:
-        raise InputError(
-            f"{where}: vocab_size={meta.vocab_size} needs at least {need / 2**30:.0f} GiB of "
-            f"tables for {meta.num_layers} layers, more than this machine's "
-            f"{have / 2**30:.0f} GiB; is the trace's vocab_size the model's?"
-        )
 
 
 def _fit_trace(path: Path, config: FitConfig) -> FitResult:

@@ -204,6 +204,17 @@ def test_a_vocabulary_too_large_for_memory_is_refused_before_the_pass(tmp_path, 
     assert not (tmp_path / "p").exists()
 
 
+def test_a_counts_table_vocabulary_too_large_for_memory_is_refused(tmp_path, capsys):
+    """The same for a counts table (--vocab-size 2**31): its [V+1] row pointers per layer were
+    built while the rows were read, and fit was killed for memory."""
+    path = require(OLMOE_COUNTS)
+    args = ["fit", str(path), "--model", "OLMoE", "--vocab-size", str(2**31)]
+    assert main([*args, "--out", str(tmp_path / "p")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{path}: vocab_size=2147483648 needs at least" in err and "\n" not in err
+    assert not (tmp_path / "p").exists()
+
+
 def test_neural_on_unknown_tokens_only_says_why(tmp_path, capsys):
     """It said 'no token occurrences to train on' of a trace with 40 of them, all id -1."""
     meta = TraceMeta("test/unknown", num_layers=2, num_experts=8, top_k=2, vocab_size=50)
