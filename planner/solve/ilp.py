@@ -185,7 +185,7 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     if exact:
         t = np.array([_argmax_var(y_vars[j]) for j in range(problem.num_tokens)], dtype=np.int64)
     overrun = t is not None and problem.balance == "cap" and _over_cap(problem, t, capacity)
-    if overrun:  # HiGHS's absolute tolerances on loads near 1e14: a y of 1e-6 is 1e8 tokens
+    if overrun:  # a safety net: the scaling of _program_shift keeps tolerances from this
         t = None
     info = {
         "status": status,
@@ -236,8 +236,9 @@ def build_program(
     """
     n, e, per = problem.num_experts, problem.ep_size, problem.experts_per_device
     cap = problem.capacity if capacity is None else float(capacity)
-    # activations and loads all below 1 (given as shares) are scaled up by a power of two:
-    # HiGHS's tolerances are absolute, and at 1e-9 it took every objective for zero
+    # activations and loads all below 1 (given as shares) are scaled up by a power of two,
+    # and any of 2**30 or more down: HiGHS's tolerances are absolute (at 1e-9 it took every
+    # objective for zero) and it reads 1e20 as infinite
     shift = _program_shift(problem, cap)
     w, freq, cap = problem.affinity, np.ldexp(problem.token_freq, shift), math.ldexp(cap, shift)
     prog = pulp.LpProblem("moeplan_coplacement", pulp.LpMaximize)
@@ -303,11 +304,22 @@ def _over_cap(problem: LayerProblem, t: np.ndarray, capacity: float) -> bool:
     return bool(loads.max() > capacity * (1 + LOAD_RTOL))
 
 
+# The program's coefficients stay below 2**30 (a trace's do up to a billion tokens): HiGHS
+# reads 1e20 and more as infinite (loads of 1e20 found "no placement"), and its absolute
+# tolerances are coarse on large loads (near 1e14 its integrality tolerance let a y of 1e-6
+# hide 1e8 tokens, and the token assignment broke the cap).
+_MAX_COEFFICIENT_LOG2 = 30
+
+
 def _program_shift(problem: LayerProblem, capacity: float) -> int:
-    """The power of two the program's coefficients are scaled by (0 unless all are below 1;
-    :func:`planner.solve.assign.shift_to_one`); one for activations and loads alike, so that
-    penalty mode's objective keeps its meaning."""
+    """The power of two the program's coefficients are scaled by: positive when all are below
+    1 (:func:`planner.solve.assign.shift_to_one`), negative when the largest is 2**30 or more
+    (it then lies in [2**29, 2**30)), else 0. Exact, and one for activations and loads alike,
+    so that penalty mode's objective keeps its meaning."""
     values = np.concatenate((problem.affinity.data, problem.token_freq, [capacity]))
+    top = float(np.abs(values[np.isfinite(values)]).max(initial=0.0))
+    if top >= 2.0**_MAX_COEFFICIENT_LOG2:
+        return _MAX_COEFFICIENT_LOG2 - 1 - math.floor(math.log2(top))
     return shift_to_one(values)
 
 
