@@ -83,14 +83,23 @@ def _bad_weight(weights: np.ndarray) -> tuple[int, int, str] | None:
     not finite or not descending (the schema's order: rank 0 is the largest), else None."""
     if weights.size == 0:
         return None
-    finite = np.isfinite(weights).all(axis=2)
-    descending = (weights[..., 1:] <= weights[..., :-1]).all(axis=2)  # False wherever NaN
+    weights = np.asarray(weights, np.float16)
+    bits = weights.view(np.int16)
+    # On float16 bits: all exponent bits set is inf or NaN; and without a sign bit the bits
+    # order as the values do. 0.04 s per 65536 rows of 58 layers x 8 experts, against 0.16 s
+    # in float16 arithmetic.
+    finite = (bits & 0x7C00) != 0x7C00
+    if (bits >= 0).all():
+        descending = bits[..., 1:] <= bits[..., :-1]
+    else:  # negative weights: compare the values
+        descending = weights[..., 1:] <= weights[..., :-1]  # False wherever NaN
     if finite.all() and descending.all():
         return None
-    if not finite.all():
-        row, layer = np.unravel_index(int(np.argmin(finite)), finite.shape)
+    finite_at, descending_at = finite.all(axis=2), descending.all(axis=2)  # [T, L]
+    if not finite_at.all():
+        row, layer = np.unravel_index(int(np.argmin(finite_at)), finite_at.shape)
         return int(row), int(layer), "are not all finite"
-    row, layer = np.unravel_index(int(np.argmin(descending)), descending.shape)
+    row, layer = np.unravel_index(int(np.argmin(descending_at)), descending_at.shape)
     return int(row), int(layer), "are not in descending order, as a v1 trace's are"
 
 

@@ -301,6 +301,14 @@ def test_gate_weights_must_be_finite_and_descending(tmp_path, small_meta, value,
         open_trace(tmp_path / "w.parquet").read_all()
     # stages that skip the weights column (fit, evaluate) never see them
     assert sum(len(b) for b in open_trace(tmp_path / "w.parquet").iter_batches(weights=False)) == 20
+    # negative weights are compared as values (the fast path orders float16 bits)
+    batch.weights[:, :, 0], batch.weights[:, :, 1] = -0.25, -0.5
+    batch.validate(small_meta)
+    batch.weights[7, 2] = (-0.5, -0.25)
+    with pytest.raises(
+        SchemaError, match=f"position {batch.position[7]}, MoE layer 2 .*descending"
+    ):
+        batch.validate(small_meta)
 
 
 def test_a_repeated_occurrence_is_refused_by_every_stage_that_reads_a_trace(
