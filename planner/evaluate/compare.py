@@ -85,6 +85,9 @@ def compare_methods(
         raise InputError(f"held-out trace {heldout.path} holds no tokens; nothing to compare on")
     if fitting is not None and not fitting.num_rows:
         raise InputError(f"fitting trace {fitting.path} holds no tokens; nothing to score on")
+    for trace in (heldout, fitting):
+        if trace is not None:
+            trace.request_ids()  # a repeated (request, position) is refused before solving
     eval_config = dataclasses.replace(eval_config or EvalConfig(), per_request=True)
     rows: list[dict] = []
     per_request = {}

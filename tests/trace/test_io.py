@@ -312,7 +312,7 @@ def test_gate_weights_must_be_finite_and_descending(tmp_path, small_meta, value,
 
 
 def test_a_repeated_occurrence_is_refused_by_every_stage_that_reads_a_trace(
-    tmp_path, small_meta, capsys
+    tmp_path, small_meta, capsys, monkeypatch
 ):
     """Two runs' parts put in one directory, both numbering requests from 0: every row was
     counted twice by fit and evaluate. DESIGN.md: one row per token occurrence."""
@@ -337,6 +337,19 @@ def test_a_repeated_occurrence_is_refused_by_every_stage_that_reads_a_trace(
     )  # fmt: skip
     with pytest.raises(SchemaError, match=want):
         evaluate_bundle(bundle, open_trace(merged), EvalConfig(batch_tokens=8))
+    # compare refuses it before it solves (it solved the first method, then refused)
+    from planner.evaluate.compare import compare_methods
+    from planner.predict.fit import fit_predictor
+    from planner.solve.pipeline import PlanConfig
+
+    predictor = fit_predictor(merged / "part-00000.parquet").predictor
+
+    def no_solve(*args, **kwargs):
+        raise AssertionError("solved before the held-out trace was checked")
+
+    monkeypatch.setattr("planner.evaluate.compare.make_plan", no_solve)
+    with pytest.raises(SchemaError, match=want):
+        compare_methods(predictor, open_trace(merged), ["vanilla"], PlanConfig("vanilla", 2))
     for argv in (
         ["trace", "info", str(merged)],
         ["trace", "split", str(merged), "--holdout", "0.5", "--fit-out", str(tmp_path / "a"),
