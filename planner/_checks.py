@@ -18,6 +18,7 @@ def is_real(value: object) -> TypeGuard[int | float | np.integer | np.floating]:
     return isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
 
 
-def is_finite_number(value: object) -> bool:
-    """A finite Python int or float, not a bool (e.g. a metric read from JSON)."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+def is_finite_number(value: object) -> TypeGuard[int | float | np.integer | np.floating]:
+    """A finite real number (:func:`is_real`, so not a bool): a metric read from JSON, an
+    option given in a config or to the API."""
+    return is_real(value) and math.isfinite(value)

@@ -25,6 +25,8 @@ def test_bools_complex_and_others_are_neither(value):
     assert not is_integer(value) and not is_real(value) and not is_finite_number(value)
 
 
-def test_finite_number_is_a_plain_finite_int_or_float():
+def test_finite_number_is_a_finite_real():
     assert is_finite_number(3) and is_finite_number(0.25)
+    assert is_finite_number(np.float32(2.5)) and is_finite_number(np.uint64(7))
+    assert not is_finite_number(np.float64("inf")) and not is_finite_number(np.float16("nan"))
     assert not is_finite_number(float("inf")) and not is_finite_number(float("nan"))

@@ -42,14 +42,13 @@ last (least significant): ``row = sum_{i=1..n} D_{l-i} * E**(i-1)``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 from scipy import sparse
 
-from planner._checks import is_integer, is_real
+from planner._checks import is_finite_number, is_integer
 from planner.errors import InputError, MismatchError, SchemaError
 from planner.export.bundle import ngram_row_index
 from planner.predict.counts import SortedKeyCounter
@@ -300,7 +299,7 @@ def fit_ngram_device_table(
     with confidence 0; so do rows whose context was never seen when ``backoff`` is 0.
     """
     e2d = _check_table_args(transitions, expert_to_device, ep_size, order, target)
-    if not (is_real(backoff) and math.isfinite(backoff) and backoff >= 0):
+    if not (is_finite_number(backoff) and backoff >= 0):
         raise InputError(f"n-gram backoff {backoff!r} must be a number >= 0")
     big_l = transitions.num_layers
     rows_per_layer = ep_size**order

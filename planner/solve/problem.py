@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 from scipy import sparse
 
-from planner._checks import is_real
+from planner._checks import is_finite_number
 from planner.errors import InfeasibleError, InputError, MismatchError
 
 BALANCE_MODES = ("cap", "penalty")
@@ -383,7 +383,7 @@ def check_expert_beta(expert_beta: float | None) -> None:
     """InputError unless ``expert_beta`` is None or a finite number >= 1 (not a bool)."""
     if expert_beta is None:
         return
-    if not (is_real(expert_beta) and np.isfinite(expert_beta) and expert_beta >= 1):
+    if not (is_finite_number(expert_beta) and expert_beta >= 1):
         raise InputError(f"expert_beta={expert_beta} must be a finite number >= 1 (or none)")
 
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -45,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from planner._checks import is_integer, is_real
+from planner._checks import is_finite_number, is_integer
 from planner._io import atomic_path
 from planner._progress import progress_bar
 from planner.errors import InputError
@@ -143,11 +142,11 @@ class SynthConfig:
             )
         for name in ("token_zipf", "expert_zipf"):
             value = getattr(self, name)
-            if not _is_real(value) or value < 0:
+            if not is_finite_number(value) or value < 0:
                 raise InputError(f"synth: {name}={value!r} must be a finite number >= 0")
         for name in ("affinity", "layer_correlation"):
             value = getattr(self, name)
-            if not _is_real(value) or not 0.0 <= value <= 1.0:
+            if not is_finite_number(value) or not 0.0 <= value <= 1.0:
                 raise InputError(f"synth: {name}={value!r} must lie in [0, 1]")
         if not isinstance(self.model, str) or not self.model:
             raise InputError(f"synth: model={self.model!r} must be a non-empty string")
@@ -170,10 +169,6 @@ class SynthConfig:
         if unknown:
             raise InputError(f"synth: unknown config field(s) {', '.join(unknown)}")
         return cls(**d)
-
-
-def _is_real(value: object) -> bool:
-    return is_real(value) and math.isfinite(value)
 
 
 DEEPSEEK_V3 = SynthConfig(
