@@ -17,12 +17,12 @@ experts, exactly as the runtime would see them:
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import Any, cast
 
 import numpy as np
 
+from planner._checks import is_finite_number, is_integer
 from planner._progress import progress_bar
 from planner.errors import InputError
 from planner.export.bundle import Bundle, check_compatible
@@ -62,18 +62,12 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         def whole(value, least: int) -> bool:
-            return (
-                isinstance(value, int | np.integer)
-                and not isinstance(value, bool)
-                and bool(value >= least)
-            )
+            return is_integer(value) and bool(value >= least)
 
         problems = []
         if not whole(self.batch_tokens, 1) or self.batch_tokens > 2**40:
             problems.append(f"batch_tokens={self.batch_tokens!r} must be an integer in [1, 2**40]")
-        if not (
-            isinstance(self.slack, int | float) and math.isfinite(self.slack) and self.slack >= 1
-        ):
+        if not (is_finite_number(self.slack) and self.slack >= 1):
             problems.append(f"slack={self.slack!r} must be a number >= 1")
         if not whole(self.hidden_size, 0):
             problems.append(f"hidden_size={self.hidden_size!r} must be an integer >= 0")

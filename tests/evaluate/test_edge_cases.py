@@ -126,3 +126,20 @@ def test_compare_on_an_empty_heldout_trace_is_one_line(tmp_path, capsys):
                  "--out", str(plan)]) == 0  # fmt: skip
     capsys.readouterr()
     _one_line_error(capsys, main(["evaluate", str(plan), str(held)]), "holds no tokens")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"slack": True}, "slack=True must be a number >= 1"),
+        ({"batch_tokens": True}, "batch_tokens=True must be an integer"),
+        ({"hidden_size": 1.0}, "hidden_size=1.0 must be an integer"),
+    ],
+)
+def test_eval_config_refuses_bools_and_floats_for_its_numbers(kwargs, message):
+    """EvalConfig(slack=True) was taken as a slack of 1 (a bool is an int to Python)."""
+    from planner.errors import InputError
+
+    with pytest.raises(InputError, match=message):
+        EvalConfig(**kwargs)
+    assert EvalConfig(slack=np.float32(1.5)).slack == 1.5
