@@ -13,6 +13,12 @@ def is_integer(value: object) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
+def is_plain_int(value: object) -> TypeGuard[int]:
+    """A Python int, not a bool: for a value that is written to JSON as it is (a numpy
+    integer is not JSON)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def is_real(value: object) -> TypeGuard[int | float | np.integer | np.floating]:
     """A Python or numpy real number: not a bool, not a complex number."""
     return isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)

@@ -30,3 +30,21 @@ def test_finite_number_is_a_finite_real():
     assert is_finite_number(np.float32(2.5)) and is_finite_number(np.uint64(7))
     assert not is_finite_number(np.float64("inf")) and not is_finite_number(np.float16("nan"))
     assert not is_finite_number(float("inf")) and not is_finite_number(float("nan"))
+
+
+def test_sizes_given_as_bools_are_refused_by_the_apis(tmp_path):
+    """A bool is an int to Python: batch_rows=True, vocab_size=True and embed_dim=True were
+    each taken as 1."""
+    from planner.errors import InputError
+    from planner.predict.fit import FitConfig, fit_predictor
+    from planner.predict.neural import NeuralConfig
+    from planner.trace.ingest_sglang import convert_sglang
+
+    with pytest.raises(InputError, match="batch_rows=True must be a positive integer"):
+        fit_predictor(tmp_path / "none.parquet", FitConfig(batch_rows=True))
+    with pytest.raises(InputError, match="batch_tokens=True must be a positive integer"):
+        fit_predictor(tmp_path / "none.parquet", FitConfig(batch_tokens=True))
+    with pytest.raises(InputError, match="neural embed_dim=True must be a positive integer"):
+        NeuralConfig(embed_dim=True)
+    with pytest.raises(InputError, match="vocab_size=True must be a positive integer"):
+        convert_sglang([tmp_path], vocab_size=True)

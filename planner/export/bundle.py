@@ -48,6 +48,7 @@ import safetensors
 import safetensors.numpy
 
 from planner import __version__
+from planner._checks import is_plain_int
 from planner._io import atomic_path, check_output, read_json_object, sha256_file
 from planner.errors import InputError, MismatchError, SchemaError
 from planner.trace.schema import TraceMeta
@@ -183,7 +184,7 @@ class Bundle:
         problems = _table_problems(self.meta, self.ep_size, self.ngram_order, self.tables())
         if problems:
             raise SchemaError(f"bundle: {problems[0]}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and not is_plain_int(self.seed):
             raise SchemaError(f"bundle: seed={self.seed!r} must be an integer or None")
         try:
             json.dumps(self.metrics, allow_nan=False)
@@ -330,9 +331,9 @@ def _expected_shapes(meta: TraceMeta, ep_size: int, ngram_order: int) -> dict[st
 
 
 def _header_problems(meta: TraceMeta, ep_size: int, ngram_order: int) -> list[str]:
-    if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size <= 0:
+    if not is_plain_int(ep_size) or ep_size <= 0:
         return [f"ep_size={ep_size!r} must be a positive integer"]
-    if not isinstance(ngram_order, int) or isinstance(ngram_order, bool) or ngram_order < 1:
+    if not is_plain_int(ngram_order) or ngram_order < 1:
         return [f"ngram_order={ngram_order!r} must be an integer >= 1"]
     if meta.num_experts % ep_size:
         return [

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from planner._checks import is_integer
+from planner._checks import is_integer, is_plain_int
 from planner._progress import progress_bar
 from planner.errors import InputError
 from planner.predict.affinity import TokenExpertAffinity, load_embeddings
@@ -115,9 +115,9 @@ def fit_predictor(path: str | Path, config: FitConfig = FitConfig()) -> FitResul
     # the folds of the token shrinkage are drawn with seed + FOLD_SEED_OFFSET
     if check_seed(config.seed) + FOLD_SEED_OFFSET >= 2**64:
         raise InputError(f"seed {config.seed!r} must be below 2**64 - {FOLD_SEED_OFFSET}")
-    if not isinstance(config.batch_rows, int) or config.batch_rows < 1:
+    if not is_plain_int(config.batch_rows) or config.batch_rows < 1:
         raise InputError(f"batch_rows={config.batch_rows!r} must be a positive integer")
-    if not isinstance(config.batch_tokens, int) or config.batch_tokens < 1:
+    if not is_plain_int(config.batch_tokens) or config.batch_tokens < 1:
         raise InputError(f"batch_tokens={config.batch_tokens!r} must be a positive integer")
     if not is_integer(config.ep_size) or config.ep_size < 1:
         raise InputError(f"ep_size={config.ep_size!r} must be a positive integer")

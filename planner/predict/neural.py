@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from planner._checks import is_plain_int
 from planner.errors import InputError, SchemaError
 from planner.predict.counts import TokenExpertCounts
 
@@ -67,7 +68,7 @@ class NeuralConfig:
     def __post_init__(self) -> None:
         for name in ("embed_dim", "hidden", "max_steps", "batch_size", "threads"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not is_plain_int(value) or value < 1:
                 raise InputError(f"neural {name}={value!r} must be a positive integer")
         numbers = (self.lr,) if self.time_budget_s is None else (self.time_budget_s, self.lr)
         if not all(isinstance(x, int | float) and not isinstance(x, bool) for x in numbers):

@@ -239,7 +239,7 @@ def contiguous_placement(num_layers: int, num_experts: int, ep_size: int) -> np.
 
 
 def _check_ep(num_experts: int, ep_size: int) -> None:
-    if not isinstance(ep_size, int | np.integer) or ep_size < 1 or num_experts % ep_size:
+    if not is_integer(ep_size) or ep_size < 1 or num_experts % ep_size:
         raise InputError(
             f"ep_size={ep_size!r} must be a positive divisor of num_experts={num_experts}"
         )

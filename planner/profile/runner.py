@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 from rich.table import Table
 
+from planner._checks import is_plain_int
 from planner._io import (
     atomic_path,
     check_parents,
@@ -111,12 +112,10 @@ class ProfileConfig:
     def __post_init__(self) -> None:
         for name in ("max_length", "batch_size", "prompts_per_part"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_plain_int(value) or value < 1:
                 raise InputError(f"{name.replace('_', '-')}={value!r} must be a positive integer")
         if self.max_prompts is not None and (
-            isinstance(self.max_prompts, bool)
-            or not isinstance(self.max_prompts, int)
-            or self.max_prompts < 1
+            not is_plain_int(self.max_prompts) or self.max_prompts < 1
         ):
             raise InputError(f"max-prompts={self.max_prompts!r} must be a positive integer")
         if self.device is not None and self.device not in DEVICES:

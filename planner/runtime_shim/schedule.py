@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from planner._checks import is_integer
+from planner._checks import is_integer, is_plain_int
 from planner.errors import InputError, MismatchError
 from planner.trace.io import Trace, open_trace
 
@@ -58,7 +58,7 @@ def _layers(tables: Any, layer: LayerSpec) -> list[int]:
 def _check_dp(tables: Any, dp_size: int) -> None:
     if not hasattr(tables, "ep_size"):
         raise InputError(f"tables must be PlanTables (load_bundle), got {type(tables).__name__}")
-    if not isinstance(dp_size, int) or dp_size < 1:
+    if not is_plain_int(dp_size) or dp_size < 1:
         raise InputError(f"dp_size must be a positive integer, got {dp_size!r}")
     if dp_size != tables.ep_size:
         raise MismatchError(

@@ -75,6 +75,7 @@ class TraceMeta:
             value = getattr(self, name)
             if not is_integer(value) or value <= 0:
                 raise SchemaError(f"trace metadata {name}={value!r} must be a positive integer")
+            object.__setattr__(self, name, int(value))  # a numpy integer does not go to JSON
         if self.top_k > self.num_experts:
             raise SchemaError(
                 f"trace metadata top_k={self.top_k} exceeds num_experts={self.num_experts}"

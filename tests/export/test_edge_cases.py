@@ -3,6 +3,7 @@ errors (never a traceback or a hang), verify agreeing with load, edited plans re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -36,6 +37,12 @@ def test_verify_refuses_nan_metrics_as_load_does(tmp_path, hand_bundle):
         load_bundle_arrays(path)
     report = verify_bundle(path)
     assert not report["ok"] and "metrics are not plain JSON" in report["error"]
+
+
+def test_a_seed_of_true_is_refused(tmp_path, hand_bundle):
+    """Bundle(seed=True) was kept and saved as '"seed": true', which load then refused."""
+    with pytest.raises(SchemaError, match="seed=True must be an integer or None"):
+        dataclasses.replace(hand_bundle, seed=True)
 
 
 def test_deeply_nested_manifest_is_one_schema_error(tmp_path, hand_bundle, capsys):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -178,6 +179,16 @@ def test_meta_json_round_trip(small_meta):
     assert arrow_schema(small_meta).metadata[b"moeplan"] == small_meta.to_json().encode()
     with pytest.raises(SchemaError, match="lacks"):
         TraceMeta.from_json('{"model": "x"}')
+
+
+def test_meta_from_numpy_integers_writes(tmp_path, small_meta):
+    """Sizes taken from arrays (np.int64) passed validation, then write_trace failed with
+    json's 'Object of type int64 is not JSON serializable' traceback."""
+    sizes = ("num_layers", "num_experts", "top_k", "vocab_size")
+    meta = dataclasses.replace(small_meta, **{n: np.int64(getattr(small_meta, n)) for n in sizes})
+    assert all(type(getattr(meta, n)) is int for n in sizes) and meta == small_meta
+    write_trace(tmp_path / "t.parquet", meta, random_batch(meta, 10))
+    assert open_trace(tmp_path / "t.parquet").meta == small_meta
 
 
 def test_real_flame_trace_reads_as_v1():
