@@ -530,9 +530,10 @@ class Trace:
         """Sorted distinct request ids; SchemaError if two rows share a (request, position)
         pair, since a trace holds one row per token occurrence.
 
-        Reads two columns only (about 20 bytes a row at its peak). Every stage that reads a
-        whole trace calls it first, so a repeated occurrence is refused before the work
-        rather than counted twice.
+        Reads two columns only (about 20 bytes a row at its peak). ``trace info``, ``trace
+        split``, ``fit`` and ``compare`` call it first (``evaluate`` checks the same columns
+        as it reads them, :func:`check_distinct_occurrences`), so a repeated occurrence is
+        refused before the work rather than counted twice.
         """
         columns = [read_columns(p, ["request_id", "position"]) for p in self.parts]
         if not columns:
