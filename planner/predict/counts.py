@@ -32,7 +32,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from scipy import sparse
 
-from planner._checks import is_integer, is_plain_int
+from planner._checks import is_integer
 from planner._io import atomic_path
 from planner.errors import InputError, SchemaError
 from planner.trace.io import read_columns
@@ -612,7 +612,7 @@ def _resolve_shape(
                 f"{path}: the table does not say {key} for {model or 'its model'}; "
                 f"pass --{key.replace('_', '-')}"
             )
-        if not is_plain_int(value) or value <= 0:
+        if not is_integer(value) or value <= 0:
             raise InputError(f"{path}: {key}={value!r} must be a positive integer")
         out[key] = int(value)
     return out
