@@ -118,10 +118,12 @@ class SynthConfig:
             value = getattr(self, name)
             if not is_integer(value) or value < 1:
                 raise InputError(f"synth: {name}={value!r} must be a positive integer")
+            object.__setattr__(self, name, int(value))  # a numpy integer does not go to JSON
         for name in ("seed", "first_moe_layer"):
             value = getattr(self, name)
             if not is_integer(value) or value < 0:
                 raise InputError(f"synth: {name}={value!r} must be a non-negative integer")
+            object.__setattr__(self, name, int(value))
         if self.top_k > self.num_experts:
             raise InputError(
                 f"synth: top_k={self.top_k} exceeds num_experts={self.num_experts}; "
@@ -144,10 +146,12 @@ class SynthConfig:
             value = getattr(self, name)
             if not is_finite_number(value) or value < 0:
                 raise InputError(f"synth: {name}={value!r} must be a finite number >= 0")
+            object.__setattr__(self, name, float(value))
         for name in ("affinity", "layer_correlation"):
             value = getattr(self, name)
             if not is_finite_number(value) or not 0.0 <= value <= 1.0:
                 raise InputError(f"synth: {name}={value!r} must lie in [0, 1]")
+            object.__setattr__(self, name, float(value))
         if not isinstance(self.model, str) or not self.model:
             raise InputError(f"synth: model={self.model!r} must be a non-empty string")
 

@@ -209,6 +209,17 @@ def test_invalid_config_raises_input_error(field, value):
         dataclasses.replace(SMALL, **{field: value})
 
 
+def test_numpy_numbers_are_stored_as_python_numbers(tmp_path):
+    # They went into the trace's source JSON as they were: a JSON TypeError traceback.
+    config = dataclasses.replace(
+        SMALL, num_tokens=np.int64(6000), seed=np.uint64(0), token_zipf=np.float32(1.1),
+        affinity=np.float64(0.8),
+    )  # fmt: skip
+    assert type(config.num_tokens) is int and type(config.token_zipf) is float
+    meta = open_trace(synthesize(config, tmp_path / "t.parquet")).meta
+    assert SynthConfig.from_json(meta.source) == config
+
+
 def test_preset_overrides_and_unknown_preset():
     cfg = preset_config("deepseek-v3", num_tokens=1000, num_requests=None)
     assert cfg.num_experts == 256 and cfg.num_tokens == 1000 and cfg.num_requests == 400
