@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from planner._checks import is_integer
 from planner._io import atomic_path, check_output
 from planner.errors import InputError, MismatchError, SchemaError
 from planner.trace.schema import (
@@ -504,6 +505,8 @@ class Trace:
         decodes float16 lists several times slower than all other columns together, and
         most stages (fit, evaluate) never read the weights.
         """
+        if not is_integer(batch_rows) or batch_rows < 1:
+            raise InputError(f"batch_rows={batch_rows!r} must be a positive integer")
         columns = [c for c in REQUIRED_COLUMNS if weights or c != "weights"] + list(extras)
         for part, schema in zip(self.parts, self._schemas, strict=True):
             missing = [e for e in extras if e not in schema.names]

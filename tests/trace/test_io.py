@@ -191,6 +191,17 @@ def test_meta_from_numpy_integers_writes(tmp_path, small_meta):
     assert open_trace(tmp_path / "t.parquet").meta == small_meta
 
 
+@pytest.mark.parametrize("batch_rows", [True, 0, 2.5])
+def test_iter_batches_refuses_a_batch_size_that_is_not_a_positive_integer(
+    tmp_path, small_meta, batch_rows
+):
+    """True read one row at a time, 2.5 two rows, 0 was pyarrow's ValueError traceback."""
+    trace = open_trace(write_trace(tmp_path / "t.parquet", small_meta, random_batch(small_meta, 9)))
+    with pytest.raises(InputError, match="batch_rows"):
+        next(trace.iter_batches(batch_rows))
+    assert [len(b) for b in trace.iter_batches(np.int64(5))] == [5, 4]
+
+
 def test_real_flame_trace_reads_as_v1():
     trace = open_trace(require(FLAME_TRACE))
     m = trace.meta
