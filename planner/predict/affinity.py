@@ -108,6 +108,7 @@ class TokenExpertAffinity:
             raise InputError(f"confident_threshold={threshold!r} is not a number")
         if not 0.0 < float(threshold) <= 1.0:
             raise InputError(f"confident_threshold={self.confident_threshold!r} must lie in (0, 1]")
+        self.confident_threshold = float(threshold)  # a numpy float does not go to JSON
         m = counts.meta
         self.meta_ = m
         self.counts_ = tuple(counts.by_layer)

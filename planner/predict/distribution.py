@@ -51,6 +51,8 @@ class DistributionPredictor:
         momentum = self.momentum
         if momentum is not None and (not is_real(momentum) or not 0.0 < float(momentum) <= 1.0):
             raise InputError(f"momentum={self.momentum!r} must lie in (0, 1] or be None")
+        if momentum is not None:
+            self.momentum = float(momentum)  # a numpy float does not go to JSON
         if not hasattr(self, "load_"):
             self.load_ = np.zeros(load.shape, np.int64)
             self.probabilities_ = np.full(load.shape, 1.0 / load.shape[1])

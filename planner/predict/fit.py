@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from planner._checks import is_integer, is_plain_int
+from planner._checks import is_integer
 from planner._progress import progress_bar
 from planner.errors import InputError
 from planner.predict.affinity import TokenExpertAffinity, load_embeddings
@@ -110,15 +110,19 @@ class FitResult:
 def fit_predictor(path: str | Path, config: FitConfig = FitConfig()) -> FitResult:
     """Fit a :class:`Predictor` on the trace or counts table at ``path``."""
     path = Path(path)
-    if config.holdout is not None:
-        check_fraction(config.holdout)
+    holdout = None if config.holdout is None else check_fraction(config.holdout)
     # the folds of the token shrinkage are drawn with seed + FOLD_SEED_OFFSET
     if check_seed(config.seed) + FOLD_SEED_OFFSET >= 2**64:
         raise InputError(f"seed {config.seed!r} must be below 2**64 - {FOLD_SEED_OFFSET}")
-    if not is_plain_int(config.batch_rows) or config.batch_rows < 1:
+    if not is_integer(config.batch_rows) or config.batch_rows < 1:
         raise InputError(f"batch_rows={config.batch_rows!r} must be a positive integer")
-    if not is_plain_int(config.batch_tokens) or config.batch_tokens < 1:
+    if not is_integer(config.batch_tokens) or config.batch_tokens < 1:
         raise InputError(f"batch_tokens={config.batch_tokens!r} must be a positive integer")
+    # as Python numbers: they go to the predictor's JSON as they are
+    config = replace(
+        config, holdout=holdout, seed=check_seed(config.seed),
+        batch_rows=int(config.batch_rows), batch_tokens=int(config.batch_tokens),
+    )  # fmt: skip
     if not is_integer(config.ep_size) or config.ep_size < 1:
         raise InputError(f"ep_size={config.ep_size!r} must be a positive integer")
     if not is_integer(config.ngram_order) or config.ngram_order not in (1, 2, 3):
@@ -148,7 +152,7 @@ def _fit_components(
     timings = {
         "affinity_seconds": round(time.perf_counter() - t0, 3),
         "embeddings": config.embeddings,
-        "confident_threshold": config.confident_threshold,
+        "confident_threshold": affinity.confident_threshold,
     }
     neural = None
     if config.neural:

@@ -20,6 +20,7 @@ from planner.cli.main import main
 from planner.errors import InputError, MismatchError, SchemaError
 from planner.predict.affinity import TokenExpertAffinity, load_embeddings
 from planner.predict.batches import BatchMix, BatchMixAccumulator
+from planner.predict.counts import write_counts_table
 from planner.predict.distribution import DistributionPredictor
 from planner.predict.fit import FitConfig, fit_predictor
 from planner.predict.metrics import distribution_summary
@@ -34,7 +35,7 @@ from planner.predict.predictor import MANIFEST, REPORT, Predictor, load_predicto
 from planner.predict.report import render_report
 from planner.predict.split import RequestSplit, thin_counts
 from planner.trace.io import open_trace
-from tests.predict.conftest import synth_trace
+from tests.predict.conftest import random_counts, synth_trace
 
 
 @pytest.fixture(scope="module")
@@ -407,3 +408,27 @@ def test_a_wrong_embeddings_file_is_refused_before_the_pass(exact_trace, tmp_pat
     # a good file passes the check (and the pass starts)
     with pytest.raises(AssertionError, match="pass over the trace started"):
         fit_predictor(path, FitConfig(embeddings=str(tmp_path / "bf16.safetensors")))
+
+
+def test_numpy_numbers_in_the_configs_reach_the_saved_predictor(exact_trace, tmp_path, small_meta):
+    """A numpy seed, fraction, threshold or momentum passed the checks, then saving the
+    predictor failed with json's 'Object of type int64 is not JSON serializable'
+    traceback; numpy batch sizes and neural settings were refused."""
+    path, _ = exact_trace
+    neural = NeuralConfig(
+        max_steps=np.int64(3), batch_size=np.int32(64), lr=np.float32(0.01),
+        time_budget_s=np.float32(60), seed=np.uint64(1),
+    )  # fmt: skip
+    cfg = FitConfig(
+        holdout=np.float32(0.3), seed=np.int64(2), confident_threshold=np.float32(0.5),
+        distribution_momentum=np.float64(0.5), batch_rows=np.int64(5000),
+        batch_tokens=np.int32(512), neural=True, neural_config=neural,
+    )  # fmt: skip
+    fit_predictor(path, cfg).predictor.save(tmp_path / "pred")
+    back = load_predictor(tmp_path / "pred")
+    assert back.fit_info["seed"] == 2 and back.affinity.confident_threshold == 0.5
+    assert back.neural is not None and back.neural.config.max_steps == 3
+    counts = write_counts_table(tmp_path / "c.parquet", random_counts(small_meta, 60, seed=2))
+    result = fit_predictor(counts, FitConfig(holdout=np.float32(0.5), seed=np.int64(2)))
+    result.predictor.save(tmp_path / "counts-pred")
+    assert load_predictor(tmp_path / "counts-pred").fit_info["split"]["fraction"] == 0.5
