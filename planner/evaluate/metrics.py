@@ -73,8 +73,15 @@ class EvalConfig:
             problems.append(f"hidden_size={self.hidden_size!r} must be an integer >= 0")
         if not whole(self.dtype_bytes, 1):
             problems.append(f"dtype_bytes={self.dtype_bytes!r} must be an integer >= 1")
+        if not isinstance(self.per_request, bool | np.bool_):
+            problems.append(f"per_request={self.per_request!r} must be true or false")
         if problems:
             raise InputError("; ".join(problems))
+        # as Python numbers: the config goes to the JSON report as it is
+        for name in ("batch_tokens", "hidden_size", "dtype_bytes"):
+            object.__setattr__(self, name, int(getattr(self, name)))
+        object.__setattr__(self, "slack", float(self.slack))
+        object.__setattr__(self, "per_request", bool(self.per_request))
 
 
 class _Acc:

@@ -143,3 +143,21 @@ def test_eval_config_refuses_bools_and_floats_for_its_numbers(kwargs, message):
     with pytest.raises(InputError, match=message):
         EvalConfig(**kwargs)
     assert EvalConfig(slack=np.float32(1.5)).slack == 1.5
+
+
+def test_eval_config_numpy_numbers_reach_the_json_report(tmp_path):
+    """Numpy numbers passed the checks, then the report (its ``config``) failed with json's
+    'Object of type int64 is not JSON serializable' traceback; per_request=1 was kept as 1."""
+    import json
+
+    from planner.errors import InputError
+
+    path = write_trace(tmp_path / "t.parquet", META, _first_half_then_second(0))
+    config = EvalConfig(
+        batch_tokens=np.int64(4), slack=np.float32(1.5), hidden_size=np.int32(8),
+        dtype_bytes=np.uint8(2), per_request=np.bool_(True),
+    )  # fmt: skip
+    report = json.loads(json.dumps(evaluate_bundle(_bundle(), open_trace(path), config)))
+    assert report["config"]["batch_tokens"] == 4 and report["config"]["per_request"] is True
+    with pytest.raises(InputError, match="per_request=1 must be true or false"):
+        EvalConfig(per_request=1)
