@@ -48,7 +48,7 @@ import safetensors
 import safetensors.numpy
 
 from planner import __version__
-from planner._checks import is_plain_int
+from planner._checks import is_integer, is_plain_int
 from planner._io import atomic_path, check_output, read_json_object, sha256_file
 from planner.errors import InputError, MismatchError, SchemaError
 from planner.trace.schema import TraceMeta
@@ -221,18 +221,19 @@ class Bundle:
         ``expert_permutation`` defaults to :func:`permutation_from_placement`.
         """
         e2d = _to_int16("expert_to_device", expert_to_device)
+        ep_size, ngram_order, seed = map(_int_if_integer, (ep_size, ngram_order, seed))
         if expert_permutation is None:
             # A malformed placement is reported by the constructor's checks below.
             try:
-                perm = permutation_from_placement(e2d, int(ep_size))
-            except SchemaError:
+                perm = permutation_from_placement(e2d, ep_size)
+            except (SchemaError, TypeError):
                 perm = np.zeros_like(e2d)
         else:
             perm = _to_int16("expert_permutation", expert_permutation)
         return cls(
             meta=meta,
-            ep_size=int(ep_size),
-            ngram_order=int(ngram_order),
+            ep_size=ep_size,
+            ngram_order=ngram_order,
             expert_to_device=e2d,
             expert_permutation=perm,
             token_to_device=_to_int16("token_to_device", token_to_device),
@@ -240,7 +241,7 @@ class Bundle:
             ngram_to_device=_to_int16("ngram_to_device", ngram_to_device),
             ngram_confidence=_to_float16("ngram_confidence", ngram_confidence),
             method=method,
-            seed=None if seed is None else int(seed),
+            seed=seed,
             metrics=dict(metrics or {}),
         )
 
@@ -290,6 +291,12 @@ class Bundle:
     def check_compatible(self, meta: TraceMeta, where: str = "trace") -> None:
         """Raise :class:`MismatchError` unless ``meta`` describes the bundle's model."""
         check_compatible(self, meta, where)
+
+
+def _int_if_integer(value: Any) -> Any:
+    """``value`` as an int if it is a Python or numpy integer, else as it is for the
+    constructor's checks to refuse (through int(), True was E = 1 and 2.7 was 2)."""
+    return int(value) if is_integer(value) else value
 
 
 def _to_int16(name: str, values) -> np.ndarray:

@@ -45,6 +45,23 @@ def test_a_seed_of_true_is_refused(tmp_path, hand_bundle):
         dataclasses.replace(hand_bundle, seed=True)
 
 
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("ep_size", True), ("ep_size", 4.7), ("ep_size", None), ("ngram_order", True),
+     ("ngram_order", 2.5), ("seed", True), ("seed", 0.5)],
+)  # fmt: skip
+def test_from_arrays_refuses_what_is_not_an_integer(hand_bundle, name, value):
+    """from_arrays passed its sizes through int(): ep_size=4.7 was E = 4, True was 1, None a
+    TypeError traceback."""
+    from planner.export import Bundle
+
+    arrays = hand_bundle.tables() | {"ep_size": 4, "ngram_order": 2, "seed": 0}
+    with pytest.raises(SchemaError, match=f"{name}={value!r} must be"):
+        Bundle.from_arrays(HAND_META, **(arrays | {name: value}))
+    numpy = {"ep_size": np.int64(4), "ngram_order": np.uint8(2), "seed": np.uint64(0)}
+    assert Bundle.from_arrays(HAND_META, **(arrays | numpy)).manifest()["seed"] == 0
+
+
 def test_deeply_nested_manifest_is_one_schema_error(tmp_path, hand_bundle, capsys):
     path = save_bundle(hand_bundle, tmp_path / "b")
     (path / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
