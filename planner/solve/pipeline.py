@@ -55,6 +55,7 @@ from typing import Any
 
 import numpy as np
 
+from planner._checks import is_integer, is_real
 from planner.errors import InputError
 from planner.predict.ngram import check_table_size, fit_ngram_device_table
 from planner.predict.predictor import Predictor
@@ -126,6 +127,21 @@ class PlanConfig:
         check_expert_beta(self.expert_beta)
         get_solver(self.method)
         check_method_options(self.options)  # before any layer is solved
+        # Stored as Python numbers: the config goes to plan.json as it is (a numpy number is
+        # not JSON), and a bool is no count or number (True was taken as 1).
+        for name in ("ep_size", "seed", "jobs", "ngram_order", "chain_passes"):
+            value = getattr(self, name)
+            if not is_integer(value):
+                raise InputError(f"{name}={value!r} must be an integer")
+            object.__setattr__(self, name, int(value))
+        for name in ("beta", "time_limit", "ngram_weight", "expert_beta"):
+            value = getattr(self, name)
+            if value is not None and not is_real(value):
+                raise InputError(f"{name}={value!r} must be a number")
+            object.__setattr__(self, name, None if value is None else float(value))
+        if not isinstance(self.ngram_defer, bool | np.bool_):
+            raise InputError(f"ngram_defer={self.ngram_defer!r} must be true or false")
+        object.__setattr__(self, "ngram_defer", bool(self.ngram_defer))
         if not 1 <= self.ngram_order <= 3:
             raise InputError(f"ngram_order={self.ngram_order} must be 1, 2 or 3")
         if self.jobs < 1:

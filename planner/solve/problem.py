@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 from scipy import sparse
 
-from planner._checks import is_finite_number
+from planner._checks import is_finite_number, is_real
 from planner.errors import InfeasibleError, InputError, MismatchError
 
 BALANCE_MODES = ("cap", "penalty")
@@ -344,7 +344,9 @@ class SolverConfig:
             or self.seed < 0
         ):
             raise InputError(f"seed={self.seed!r} must be a non-negative integer")
-        if self.time_limit is not None and not (0 < self.time_limit < math.inf):
+        if self.time_limit is not None and not (
+            is_real(self.time_limit) and 0 < self.time_limit < math.inf
+        ):
             raise InputError(
                 f"time_limit={self.time_limit!r} must be positive, finite seconds (give none for "
                 "no limit)"

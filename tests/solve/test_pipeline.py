@@ -16,6 +16,7 @@ from planner.predict.fit import FitConfig, fit_predictor
 from planner.predict.split import RequestSplit, split_trace
 from planner.solve.pipeline import PlanConfig, make_plan
 from planner.solve.plan import Plan
+from planner.solve.problem import SolverConfig
 from planner.trace import TraceBatch, open_trace, write_trace
 from planner.trace.synth import SynthConfig, synthesize
 
@@ -114,6 +115,25 @@ def test_errors(pipeline):
     other = synthesize(SynthConfig(**(SYNTH.__dict__ | {"model": "other"})), d / "other.parquet")
     with pytest.raises(MismatchError):
         compare_methods(predictor, open_trace(other), ["vanilla"], PlanConfig(ep_size=4))
+
+
+def test_plan_config_numpy_numbers_reach_plan_json_and_bools_are_refused(pipeline, tmp_path):
+    """A numpy ep_size was refused as 'does not divide' by the Plan, other numpy numbers
+    passed, then plan.json failed with a JSON TypeError traceback; a bool was taken as 1."""
+    _, _, _, predictor = pipeline
+    config = PlanConfig(
+        "ceo", ep_size=np.int64(4), seed=np.uint64(1), jobs=np.int32(1), beta=np.float32(1.1),
+        time_limit=np.float64(30), ngram_order=np.int64(2), ngram_weight=np.float32(0.5),
+        chain_passes=np.int64(1), ngram_defer=np.bool_(True), expert_beta=np.float32(2),
+    )  # fmt: skip
+    make_plan(predictor, config, progress=False).save(tmp_path / "plan")
+    saved = Plan.load(tmp_path / "plan")
+    assert saved.ep_size == 4 and saved.config["chain_passes"] == 1
+    for name in ("ep_size", "jobs", "ngram_order", "chain_passes", "beta", "ngram_weight"):
+        with pytest.raises(InputError, match=f"{name}=True"):
+            PlanConfig(**{name: True})
+    with pytest.raises(InputError, match="time_limit=True"):
+        SolverConfig(time_limit=True)
 
 
 def test_cli_chain(pipeline, tmp_path, capsys):
