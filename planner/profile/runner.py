@@ -118,6 +118,11 @@ class ProfileConfig:
             not is_plain_int(self.max_prompts) or self.max_prompts < 1
         ):
             raise InputError(f"max-prompts={self.max_prompts!r} must be a positive integer")
+        for name in ("resume", "save_embeddings", "add_special_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, bool | np.bool_):
+                raise InputError(f"{name.replace('_', '-')}={value!r} must be true or false")
+            object.__setattr__(self, name, bool(value))  # profile.json holds it: not numpy's
         if self.device is not None and self.device not in DEVICES:
             raise InputError(f"device {self.device!r} is not one of {', '.join(DEVICES)}")
         if self.dtype is not None and self.dtype not in DTYPES:

@@ -100,6 +100,14 @@ def test_bool_is_not_a_count(name):
         ProfileConfig(**{name: True})
 
 
+def test_flags_are_bools_and_numpy_bools_become_bools():
+    """A numpy add_special_tokens reached profile.json as it was (a JSON TypeError after the
+    model was loaded); resume=1 was kept as 1."""
+    assert ProfileConfig(add_special_tokens=np.bool_(False)).add_special_tokens is False
+    with pytest.raises(InputError, match="resume=1 must be true or false"):
+        ProfileConfig(resume=1)
+
+
 # ---------------------------------------------------------------------------------------
 # Damaged checkpoints
 
