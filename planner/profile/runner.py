@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 from rich.table import Table
 
-from planner._checks import is_plain_int
+from planner._checks import is_integer
 from planner._io import (
     atomic_path,
     check_parents,
@@ -112,12 +112,13 @@ class ProfileConfig:
     def __post_init__(self) -> None:
         for name in ("max_length", "batch_size", "prompts_per_part"):
             value = getattr(self, name)
-            if not is_plain_int(value) or value < 1:
+            if not is_integer(value) or value < 1:
                 raise InputError(f"{name.replace('_', '-')}={value!r} must be a positive integer")
-        if self.max_prompts is not None and (
-            not is_plain_int(self.max_prompts) or self.max_prompts < 1
-        ):
-            raise InputError(f"max-prompts={self.max_prompts!r} must be a positive integer")
+            object.__setattr__(self, name, int(value))  # profile.json holds it: not numpy's
+        if self.max_prompts is not None:
+            if not is_integer(self.max_prompts) or self.max_prompts < 1:
+                raise InputError(f"max-prompts={self.max_prompts!r} must be a positive integer")
+            object.__setattr__(self, "max_prompts", int(self.max_prompts))
         for name in ("resume", "save_embeddings", "add_special_tokens"):
             value = getattr(self, name)
             if not isinstance(value, bool | np.bool_):

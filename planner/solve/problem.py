@@ -149,6 +149,9 @@ class LayerProblem:
                 f"N={num_experts} experts cannot be split evenly over E={e} devices{where}: "
                 f"N % E = {num_experts % e}; choose an EP size that divides {num_experts}"
             )
+        for name in ("beta", "theta"):
+            if not is_real(getattr(self, name)):  # a bool was taken as 1.0
+                raise InputError(f"{name}={getattr(self, name)!r} must be a number")
         if not math.isfinite(self.beta) or self.beta < 1.0:
             raise InfeasibleError(
                 f"beta={self.beta!r}: a token load cap below the mean (beta < 1) cannot hold "

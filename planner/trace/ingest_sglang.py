@@ -69,7 +69,7 @@ from pathlib import Path
 
 import numpy as np
 
-from planner._checks import is_integer, is_plain_int
+from planner._checks import is_integer
 from planner._io import atomic_path
 from planner.errors import InputError, MismatchError, SchemaError
 from planner.trace.io import TraceBatch, TraceWriter, check_trace_output, write_trace
@@ -411,8 +411,9 @@ def convert_sglang(
 
     Returns (meta, batch, stats); ``batch.experts`` holds LOGICAL expert ids [T, L, k].
     """
-    if vocab_size is not None and (not is_plain_int(vocab_size) or vocab_size < 1):
+    if vocab_size is not None and (not is_integer(vocab_size) or vocab_size < 1):
         raise InputError(f"sglang: vocab_size={vocab_size!r} must be a positive integer")
+    vocab_size = None if vocab_size is None else int(vocab_size)
     files = dump_files(dumps)
     records, p2l = _read_dumps(files)
     num_records = len(records)
@@ -535,8 +536,9 @@ def ingest_sglang(
     out = Path(out)
     if out.exists() and not overwrite:
         raise InputError(f"{out}: already exists; choose another path or pass overwrite (--force)")
-    if not is_plain_int(rows_per_part) or rows_per_part < 1:
+    if not is_integer(rows_per_part) or rows_per_part < 1:
         raise InputError(f"sglang: rows_per_part={rows_per_part!r} must be a positive integer")
+    rows_per_part = int(rows_per_part)
     if not isinstance(model, str) or not model.strip():
         raise InputError(f"sglang: model={model!r} must be a non-empty name (--model)")
     # Never replace an input dump, a directory holding one, or a directory of another kind.

@@ -98,6 +98,8 @@ def test_out_that_is_a_dangling_symlink_is_refused(model_dirs, prompts, tmp_path
 def test_bool_is_not_a_count(name):
     with pytest.raises(InputError, match="must be a positive integer"):
         ProfileConfig(**{name: True})
+    # a numpy integer is one, stored as a Python int (it was refused)
+    assert type(getattr(ProfileConfig(**{name: np.int64(8)}), name)) is int
 
 
 def test_flags_are_bools_and_numpy_bools_become_bools():

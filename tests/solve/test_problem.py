@@ -42,6 +42,10 @@ def test_accepts_any_sparse_or_dense_input() -> None:
         ({"beta": 0.9}, InfeasibleError, "beta"),
         ({"balance": "soft"}, InputError, "balance"),
         ({"theta": 1.5}, InputError, "theta"),
+        # a bool was taken as 1.0, an array of one a raw TypeError
+        ({"beta": True}, InputError, "beta=True must be a number"),
+        ({"theta": True}, InputError, "theta=True must be a number"),
+        ({"beta": np.array([1.2])}, InputError, r"beta=array\(\[1.2\]\) must be a number"),
         ({"token_freq": np.array([1.0, 2.0])}, InputError, "token_freq"),
         ({"token_freq": np.array([1.0, -2.0, 1.0])}, InputError, "negative"),
         ({"affinity": -W}, InputError, "negative"),

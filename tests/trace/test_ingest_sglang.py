@@ -31,7 +31,11 @@ def _check_against_expected(batch, expected):
 
 def test_ingest_recovers_logical_experts_and_requests(dump_dir, tmp_path):
     _, expected = fixture.build()
-    stats = ingest_sglang([dump_dir], tmp_path / "t.parquet", model="tiny", vocab_size=100)
+    # numpy sizes are sizes (they were refused)
+    stats = ingest_sglang(
+        [dump_dir], tmp_path / "t.parquet", model="tiny", vocab_size=np.int64(100),
+        rows_per_part=np.int32(1000),
+    )  # fmt: skip
     trace = open_trace(tmp_path / "t.parquet")
     m = trace.meta
     assert (m.model, m.num_layers, m.num_experts, m.top_k, m.vocab_size) == ("tiny", 3, 6, 2, 100)
