@@ -13,6 +13,11 @@ def is_integer(value: object) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
+def is_bool(value: object) -> TypeGuard[bool | np.bool_]:
+    """A Python or numpy bool (a flag; 0 and 1 are not flags)."""
+    return isinstance(value, bool | np.bool_)
+
+
 def is_plain_int(value: object) -> TypeGuard[int]:
     """A Python int, not a bool: for a value that is written to JSON as it is (a numpy
     integer is not JSON)."""

@@ -22,7 +22,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from planner._checks import is_finite_number, is_integer
+from planner._checks import is_bool, is_finite_number, is_integer
 from planner._progress import progress_bar
 from planner.errors import InputError
 from planner.export.bundle import Bundle, check_compatible
@@ -73,7 +73,7 @@ class EvalConfig:
             problems.append(f"hidden_size={self.hidden_size!r} must be an integer >= 0")
         if not whole(self.dtype_bytes, 1):
             problems.append(f"dtype_bytes={self.dtype_bytes!r} must be an integer >= 1")
-        if not isinstance(self.per_request, bool | np.bool_):
+        if not is_bool(self.per_request):
             problems.append(f"per_request={self.per_request!r} must be true or false")
         if problems:
             raise InputError("; ".join(problems))

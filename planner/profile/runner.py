@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 from rich.table import Table
 
-from planner._checks import is_integer
+from planner._checks import is_bool, is_integer
 from planner._io import (
     atomic_path,
     check_parents,
@@ -121,7 +121,7 @@ class ProfileConfig:
             object.__setattr__(self, "max_prompts", int(self.max_prompts))
         for name in ("resume", "save_embeddings", "add_special_tokens"):
             value = getattr(self, name)
-            if not isinstance(value, bool | np.bool_):
+            if not is_bool(value):
                 raise InputError(f"{name.replace('_', '-')}={value!r} must be true or false")
             object.__setattr__(self, name, bool(value))  # profile.json holds it: not numpy's
         if self.device is not None and self.device not in DEVICES:

@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from planner._checks import is_integer, is_real
+from planner._checks import is_bool, is_integer, is_real
 from planner.errors import InputError
 from planner.predict.ngram import check_table_size, fit_ngram_device_table
 from planner.predict.predictor import Predictor
@@ -139,7 +139,7 @@ class PlanConfig:
             if value is not None and not is_real(value):
                 raise InputError(f"{name}={value!r} must be a number")
             object.__setattr__(self, name, None if value is None else float(value))
-        if not isinstance(self.ngram_defer, bool | np.bool_):
+        if not is_bool(self.ngram_defer):
             raise InputError(f"ngram_defer={self.ngram_defer!r} must be true or false")
         object.__setattr__(self, "ngram_defer", bool(self.ngram_defer))
         if not 1 <= self.ngram_order <= 3:
