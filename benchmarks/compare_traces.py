@@ -27,7 +27,14 @@ the same cases on synthetic traces (``moeplan trace synth``: 6 layers, 40k token
 requests, vocabulary 32k, seed 7) shaped like Mixtral (8 experts, top-2; EP 2, 4, 8),
 GPT-OSS-20B (32, top-4; EP 4, 8) and Qwen3-30B-A3B (128, top-8; EP 8, 16), for what real
 traces of other shapes may look like: ``--sources synth-mixtral,synth-gptoss,synth-qwen3
---seeds 0 --ngram routed``.
+--seeds 0 --ngram routed``. ``synth-deepseek`` is ``moeplan trace synth --preset
+deepseek-v3 --layers 8 --tokens 100000 --requests 400`` (256 experts, top-8, vocabulary
+129k, planted token groups; EP 8, 32), about 80 s a case.
+
+``--no-embeddings`` fits without the input embeddings a profiled trace carries (``moeplan
+fit --no-embeddings``), as for a trace profiled without ``--save-embeddings`` or ingested:
+unseen tokens then have no neighbour to borrow a device from, and the n-gram table routes
+them.
 
 ``--ceo-options '{"batch_aware": false}'`` measures a CEO switch's effect (the same cases,
 with and without it). ``--chain-passes 2`` gives every method the chain polish
@@ -57,7 +64,7 @@ from planner.profile.runner import ProfileConfig, profile_model  # noqa: E402
 from planner.solve.ngram_term import DEFAULT_WEIGHT  # noqa: E402
 from planner.solve.pipeline import PlanConfig  # noqa: E402
 from planner.trace import open_trace  # noqa: E402
-from planner.trace.synth import SynthConfig, synthesize  # noqa: E402
+from planner.trace.synth import SynthConfig, preset_config, synthesize  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 FLAME = REPO.parent / "shared" / "realdata" / "flame-moe-290m-prefill.parquet"
@@ -68,7 +75,7 @@ SHAPES = {
     "synth-gptoss": (32, 4, (4, 8)),
     "synth-qwen3": (128, 8, (8, 16)),
 }
-EP_SIZES |= {name: eps for name, (_, _, eps) in SHAPES.items()}
+EP_SIZES |= {name: eps for name, (_, _, eps) in SHAPES.items()} | {"synth-deepseek": (8, 32)}
 METHODS = ["ceo", "metis", "kmeans", "alternating", "vanilla"]
 BASELINES = ("metis", "kmeans", "alternating")
 
@@ -84,8 +91,14 @@ def source_trace(name: str, work: Path) -> Path:
         )  # fmt: skip
         out = work / name
         return out if out.exists() else synthesize(config, out)
+    if name == "synth-deepseek":
+        config = preset_config("deepseek-v3", num_layers=8, num_tokens=100_000, num_requests=400)
+        out = work / name
+        return out if out.exists() else synthesize(config, out)
     if name != "example":
-        raise SystemExit(f"unknown source {name!r}: flame, example or one of {', '.join(SHAPES)}")
+        raise SystemExit(
+            f"unknown source {name!r}: flame, example, synth-deepseek or one of {', '.join(SHAPES)}"
+        )
     out = work / "example_trace"
     if not out.exists():
         profile_model(
@@ -111,6 +124,7 @@ def run_case(
     ngram_defer: bool = True,
     heldout_domain: str | None = None,
     expert_beta: float | None = None,
+    embeddings: bool = True,
 ) -> dict:
     """One case: split ``trace`` (50/50 by request with ``seed``, or ``heldout_domain`` held
     out whole), fit on the fitting side, compare every method on the held-out side."""
@@ -121,12 +135,15 @@ def run_case(
     if heldout_domain is None:
         if not held.exists():
             split_trace(trace, fitting, held, 0.5, seed=seed)
-        fit = FitConfig(holdout=0.5, seed=seed, ngram_routed=ngram == "routed")
+        fit = FitConfig(
+            holdout=0.5, seed=seed, ngram_routed=ngram == "routed", auto_embeddings=embeddings
+        )
         predictor = fit_predictor(trace, fit).predictor
     else:
         if not held.exists():
             split_trace_by_domain(trace, fitting, held, [heldout_domain])
-        predictor = fit_predictor(fitting, FitConfig(ngram_routed=ngram == "routed")).predictor
+        fit = FitConfig(ngram_routed=ngram == "routed", auto_embeddings=embeddings)
+        predictor = fit_predictor(fitting, fit).predictor
     result = compare_methods(
         predictor,
         open_trace(held),
@@ -193,6 +210,11 @@ def main(argv=None) -> int:
         help="request: 50/50 by request per seed; domain: hold out each domain in turn "
         "(traces with a domain column: example and the synthetic shapes; --seeds unused)",
     )
+    ap.add_argument(
+        "--no-embeddings",
+        action="store_true",
+        help="fit without the trace's input embeddings (moeplan fit --no-embeddings)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     started = time.perf_counter()
@@ -224,6 +246,7 @@ def main(argv=None) -> int:
                                 not args.no_ngram_defer,
                                 domain,
                                 args.expert_beta,
+                                not args.no_embeddings,
                             ),
                         }
                         cases.append(case)
@@ -248,6 +271,7 @@ def main(argv=None) -> int:
             "ngram_defer": not args.no_ngram_defer,
             "split": args.split,
             "expert_beta": args.expert_beta,
+            "embeddings": not args.no_embeddings,
             "ceo_over_best_baseline_min": min(ratios),
             "ceo_over_best_baseline_mean": sum(ratios) / len(ratios),
             "ceo_losses": [

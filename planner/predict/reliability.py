@@ -138,3 +138,16 @@ def discounted_share(occurrences: np.ndarray, m: float) -> float:
     if m <= 0 or total <= 0:
         return 0.0
     return float((a * m / (a + m)).sum() / total)
+
+
+def unseen_share(occurrences: np.ndarray) -> float:
+    """Good-Turing estimate of the share of new traffic's token occurrences whose token the
+    fitting data never saw: tokens seen exactly once over all occurrences (N1 / N).
+
+    ``occurrences`` [J] are each fitting token's whole occurrence counts. On a synthetic
+    DeepSeek-V3-shaped trace split by request it gives 0.201 where the held-out half's
+    unseen share is 0.204; on the example's (the main job's split) 0.037 against 0.068.
+    """
+    a = np.asarray(occurrences, np.float64)
+    total = float(a.sum())
+    return float((a == 1).sum() / total) if total > 0 else 0.0

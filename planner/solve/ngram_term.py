@@ -74,6 +74,32 @@ cost the example 0.25% on average and two more losses (EP 8, routed: 0.994 and 0
 the contexts' batch mix is only estimated (in proportion to the batches' sizes) while the
 token rows' is recorded; below 1/2 the example's plans are as before.
 
+Tokens the token table cannot place. A token never seen in fitting takes a known
+neighbour's device (its nearest token by input embedding,
+:func:`planner.solve.pipeline.vocabulary_table`); without embeddings it has none, and the
+n-gram table routes all of its occurrences whatever u says. On a synthetic
+DeepSeek-V3-shaped trace (``benchmarks/compare_traces.py --sources synth-deepseek``: no
+embeddings, u about 0.3) a fifth of the held-out occurrences are such tokens, and with
+u < 1/2 the context rows had no share of the batches: CEO's score never saw the load the
+n-gram table sends them. At EP 8 (split seed 0, top-1) the runtime cap moved 81% of those
+tokens off their device under CEO's plan against 72% under METIS', and their balanced LAR
+(0.105 against 0.122) ate most of CEO's lead on the seen tokens (0.329 against 0.323).
+Twice CEO's search did not help (0.2830 against 0.2832). So the batch share is at least
+the :attr:`NgramTerm.unplaced` share (:func:`planner.solve.pipeline.unplaced_share`: the
+Good-Turing estimate of unseen occurrences, N1/N, 0.201 there against 0.204 measured on
+the held-out half, times the share of the unseen vocabulary with no neighbour), where that
+is at least :data:`UNPLACED_FROM`. On the 12 DeepSeek-shaped cases (split seeds 0-2, EP 8
+and 32, both statistics) CEO's ratio to the best baseline went from mean 1.043 (worst
+1.006) to 1.048 (worst 1.018), 11 up, one down (1.080 -> 1.078); on the synthetic
+Mixtral, GPT-OSS and Qwen3 shapes (unplaced 0.19-0.20) from mean 1.0157 to 1.0160 (Qwen3
+EP 16 1.044 -> 1.037, the rest level or up). The baselines' figures do not move: only CEO
+(and the chain polish) reads the batches. Given to the example fitted without embeddings
+(unplaced 0.037, 18 cases) it cost 0.1% of the mean ratio (1.0158 -> 1.0146) and one loss
+inside its interval (0.998): a small share's batch mix is only estimated, as for u above,
+hence the threshold, chosen between those two measurements and not tested apart from them.
+With embeddings (the example: unplaced 0) and on FLAME-MoE (u >= 0.99 above its unplaced
+0.34) plans are as before.
+
 CEO gains the most from the term because its global search uses the combined objective. A
 local polish of an independently solved placement under the extended objective helped the
 baselines more than CEO.
@@ -139,6 +165,9 @@ MAX_WEIGHT = 1e6
 # Layers whose n-gram table makes at least this share u of the runtime's choices give the
 # context rows u of the fitting batches (NgramTerm.extend); measured in the module doc.
 BATCH_SHARE_FROM = 0.5
+# ... and at least the share of occurrences the token table cannot place (NgramTerm.unplaced),
+# where that share is at least this; measured in the module doc.
+UNPLACED_FROM = 0.1
 
 
 @dataclass(frozen=True, eq=False)
@@ -156,6 +185,10 @@ class NgramTerm:
         unreliable: per layer, the share u of token occurrences the predictor's token
             shrinkage discounts (:func:`planner.predict.reliability.discounted_share`);
             None weighs every layer by ``weight`` alone (see :meth:`layer_weight`).
+        unplaced: per layer, the share of serving occurrences expected from tokens the
+            plan's token table cannot place (never seen in fitting, and no known neighbour
+            to borrow a device from), which the n-gram table routes; None: none expected.
+            Only :meth:`extend`'s batch shares read it.
     """
 
     transitions: TopOneTransitions
@@ -163,12 +196,15 @@ class NgramTerm:
     weight: float = DEFAULT_WEIGHT
     target: str = "routed"
     unreliable: tuple[float, ...] | None = None
+    unplaced: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if not (0 < self.weight <= MAX_WEIGHT):
             raise InputError(
                 f"n-gram weight {self.weight!r} must be a positive number, at most {MAX_WEIGHT:g}"
             )
+        if self.unplaced is not None and not all(0 <= x <= 1 for x in self.unplaced):
+            raise InputError(f"unplaced shares {self.unplaced!r} must lie in [0, 1]")
         if self.target not in TARGETS:
             raise InputError(f"n-gram target {self.target!r} must be one of {', '.join(TARGETS)}")
 
@@ -191,6 +227,18 @@ class NgramTerm:
             return self.weight
         ratio = token_activations / context_activations
         return self.weight * (1.0 + u * (2.0 * math.sqrt(ratio) - 1.0))
+
+    def batch_share(self, layer: int) -> float:
+        """The share of layer ``layer``'s fitting batches :meth:`extend` gives its context
+        rows: the occurrences the n-gram table will route at serving time. That is u where
+        the table makes most of the choices (u >= :data:`BATCH_SHARE_FROM`), and at least
+        the :attr:`unplaced` share, whose tokens nothing else routes, where that is at least
+        :data:`UNPLACED_FROM`; else 0."""
+        u = self._unreliable(layer)
+        unplaced = 0.0 if self.unplaced is None else float(self.unplaced[layer])
+        return max(
+            u if u >= BATCH_SHARE_FROM else 0.0, unplaced if unplaced >= UNPLACED_FROM else 0.0
+        )
 
     def _unreliable(self, layer: int) -> float:
         """Layer ``layer``'s share u of :attr:`unreliable` (0 when none is known)."""
@@ -236,14 +284,15 @@ class NgramTerm:
         The rows put no load on the capacity, but they stand for occurrences
         (``row_occurrences``: the fitting tokens seen in each context), and when the
         problem has fitting batches they take their share of them: at run time the online
-        choice follows the n-gram table for about the share u of occurrences whose tokens
-        the predictor discounts (:attr:`unreliable`), so each batch's token rows keep
-        (1 - u) of their occurrences and the context rows get u of theirs, spread over the
-        batches in proportion to the batches' sizes (the per-batch mix of contexts is not
-        recorded). :func:`planner.solve.common.batch_overflow` then charges a placement for
-        what the runtime cap takes back from the n-gram table's choices too. This only where
-        the table makes most of the choices (u >= :data:`BATCH_SHARE_FROM`); elsewhere the
-        batches are the token rows' alone, whose per-batch mix is recorded exactly.
+        choice follows the n-gram table for a share u of the occurrences
+        (:meth:`batch_share`: the occurrences whose tokens the predictor discounts, where
+        they are most, and at least those of tokens the token table cannot place), so each
+        batch's token rows keep (1 - u) of their occurrences and the context rows get u of
+        theirs, spread over the batches in proportion to the batches' sizes (the per-batch
+        mix of contexts is not recorded). :func:`planner.solve.common.batch_overflow` then
+        charges a placement for what the runtime cap takes back from the n-gram table's
+        choices too. Where u is 0 the batches are the token rows' alone, whose per-batch mix
+        is recorded exactly.
         """
         found = self._seen_rows(problem, layer, expert_to_device, run_start)
         if found is None:
@@ -259,8 +308,8 @@ class NgramTerm:
             )[seen]
         occurrences = np.asarray(top1.sum(axis=1)).ravel()
         batch_freq = problem.batch_freq
-        u = self._unreliable(layer)
-        if batch_freq is not None and u >= BATCH_SHARE_FROM:
+        u = self.batch_share(layer)
+        if batch_freq is not None and u > 0:
             share = np.asarray(batch_freq.sum(axis=0)).ravel() / max(problem.total_freq, 1e-300)
             batch_freq = sparse.vstack(
                 [batch_freq * (1.0 - u), sparse.csr_matrix(u * np.outer(occurrences, share))],

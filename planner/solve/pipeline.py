@@ -59,7 +59,7 @@ from planner._checks import is_bool, is_integer, is_real
 from planner.errors import InputError
 from planner.predict.ngram import check_table_size, fit_ngram_device_table
 from planner.predict.predictor import Predictor
-from planner.predict.reliability import discounted_share, shrink_confidence
+from planner.predict.reliability import discounted_share, shrink_confidence, unseen_share
 from planner.solve.expert_balance import expert_imbalance
 from planner.solve.metrics import token_table
 from planner.solve.ngram_term import DEFAULT_WEIGHT, MAX_WEIGHT, NgramTerm
@@ -214,6 +214,21 @@ def vocabulary_table(
     return table, conf
 
 
+def unplaced_share(predictor: Predictor, problems: list[LayerProblem]) -> tuple[float, ...]:
+    """Per layer, the share of serving occurrences the token table cannot place, so that
+    the n-gram table routes them (:attr:`planner.solve.ngram_term.NgramTerm.unplaced`).
+
+    Tokens never seen in fitting (their share estimated by
+    :func:`planner.predict.reliability.unseen_share`) times the share of the vocabulary's
+    unseen tokens with no known neighbour (:func:`vocabulary_table` lends the others a
+    neighbour's device): about 0 with input embeddings, the whole unseen share without.
+    """
+    aff = predictor.affinity
+    unseen = np.flatnonzero(~aff.seen_)
+    alone = float((aff.source_rows(unseen) < 0).mean()) if unseen.size else 0.0
+    return tuple(alone * unseen_share(p.token_freq) for p in problems)
+
+
 def make_plan(predictor: Predictor, config: PlanConfig, *, progress: bool = True) -> Plan:
     """Solve every layer with ``config.method`` and assemble the :class:`Plan`."""
     meta = predictor.meta
@@ -240,11 +255,12 @@ def make_plan(predictor: Predictor, config: PlanConfig, *, progress: bool = True
             discounted_share(p.token_freq, float(m))
             for p, m in zip(problems, predictor.token_shrinkage, strict=True)
         )
-    term = None
+    term = unplaced = None
     if predictor.transitions is not None and config.ngram_weight > 0:
+        unplaced = unplaced_share(predictor, problems)
         term = NgramTerm(
             predictor.transitions, config.ngram_order, config.ngram_weight,
-            unreliable=unreliable,
+            unreliable=unreliable, unplaced=unplaced,
         )  # fmt: skip
     placements = solve_model(
         problems, config.method, config.solver_config(), jobs=config.jobs, progress=progress,
@@ -269,6 +285,7 @@ def make_plan(predictor: Predictor, config: PlanConfig, *, progress: bool = True
         "seconds": round(time.perf_counter() - t0, 3),
         "token_shrinkage": None if shrinkage is None else shrinkage.tolist(),
         "ngram_unreliable": None if unreliable is None else [round(u, 4) for u in unreliable],
+        "ngram_unplaced": None if unplaced is None else [round(u, 4) for u in unplaced],
     }
     return Plan(
         model=json.loads(meta.to_json()),

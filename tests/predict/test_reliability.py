@@ -18,6 +18,7 @@ from planner.predict.reliability import (
     sampled_layers,
     shrink_confidence,
     spread_to_layers,
+    unseen_share,
 )
 from tests.predict.conftest import synth_trace
 
@@ -70,6 +71,19 @@ def test_discounted_share():
     assert discounted_share(np.zeros(2), 4.0) == 0.0
     assert discounted_share(a, 4096.0) > 0.99  # m far above every count: all discounted
     assert discounted_share(a * 1e6, 0.25) < 1e-6  # every token seen far more than m
+
+
+def test_unseen_share_is_good_turing():
+    # N1 / N: two tokens seen once among 1 + 1 + 2 + 5 occurrences
+    assert unseen_share(np.array([1.0, 1.0, 2.0, 5.0])) == pytest.approx(2 / 9)
+    assert unseen_share(np.array([2.0, 3.0])) == 0.0
+    assert unseen_share(np.zeros(3)) == 0.0 and unseen_share(np.ones(4)) == 1.0
+    # on a Zipf vocabulary, held out by request: close to the share of new tokens
+    rng = np.random.default_rng(0)
+    p = 1.0 / np.arange(1, 20001) ** 1.1
+    fit, held = (rng.choice(p.size, 30000, p=p / p.sum()) for _ in range(2))
+    new = float(np.mean(~np.isin(held, fit)))
+    assert unseen_share(np.bincount(fit)) == pytest.approx(new, abs=0.02)
 
 
 def test_fit_estimates_shrinkage_per_layer(exact_trace, random_trace, tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -9,10 +11,10 @@ from planner.cli.main import main
 from planner.errors import InputError
 from planner.predict.fit import FitConfig, fit_predictor
 from planner.predict.ngram import ngram_context_affinity
-from planner.predict.reliability import discounted_share
+from planner.predict.reliability import discounted_share, unseen_share
 from planner.solve import ngram_term
-from planner.solve.ngram_term import NgramTerm
-from planner.solve.pipeline import PlanConfig, layer_problems, make_plan
+from planner.solve.ngram_term import UNPLACED_FROM, NgramTerm
+from planner.solve.pipeline import PlanConfig, layer_problems, make_plan, unplaced_share
 from planner.trace.synth import SynthConfig, synthesize
 
 # Routing that follows the previous layer's experts (layer_correlation), which an n-gram
@@ -120,14 +122,32 @@ def test_context_rows_take_the_ngram_tables_share_of_the_batches(predictor):
         kept = term.extend(p, 2, placed, 0)
         np.testing.assert_allclose(kept.batch_freq.toarray(), np.vstack([b0, 0 * b[j:]]))
         np.testing.assert_allclose(kept.occurrences[j:], occ)
+    # tokens the token table cannot place (unseen, no neighbour) go by the n-gram table
+    # whatever u says: their share of the batches goes to the contexts, from UNPLACED_FROM
+    for unreliable, unplaced, share in (
+        (None, 0.2, 0.2), ((0, 0, 0.25, 0), 0.2, 0.2), ((0, 0, 0.75, 0), 0.2, 0.75),
+        ((0, 0, 0.75, 0), 0.9, 0.9), (None, UNPLACED_FROM, UNPLACED_FROM),
+        ((0, 0, 0.25, 0), 0.09, 0.0), ((0, 0, 0.75, 0), 0.09, 0.75),
+    ):  # fmt: skip
+        term = NgramTerm(
+            predictor.transitions, order=2, weight=0.5, unreliable=unreliable,
+            unplaced=(0.0, 0.0, unplaced, 0.0),
+        )  # fmt: skip
+        assert term.batch_share(2) == share and term.batch_share(3) == 0.0
+        b = term.extend(p, 2, placed, 0).batch_freq.toarray()
+        np.testing.assert_allclose(b[:j], (1 - share) * b0)
+        np.testing.assert_allclose(b[j:], share * np.outer(occ, sizes))
+    with pytest.raises(InputError, match="unplaced"):
+        NgramTerm(predictor.transitions, order=2, unplaced=(0.0, 1.5, 0.0, 0.0))
 
 
 def test_plans_weigh_the_term_by_the_predictors_shrinkage(predictor, monkeypatch):
-    seen = []
+    seen, unplaced = [], []
     original = NgramTerm.extend
 
     def spy(self, problem, layer, placed, run_start):
         seen.append(self.unreliable)
+        unplaced.append(self.unplaced)
         return original(self, problem, layer, placed, run_start)
 
     monkeypatch.setattr(NgramTerm, "extend", spy)
@@ -138,6 +158,10 @@ def test_plans_weigh_the_term_by_the_predictors_shrinkage(predictor, monkeypatch
     assert seen[0][3] == pytest.approx(
         discounted_share(problems[3].token_freq, float(predictor.token_shrinkage[3]))
     )
+    # no embeddings: every unseen token is left to the n-gram table, at the Good-Turing share
+    share = unseen_share(problems[0].token_freq)
+    assert 0 < share < 1 and unplaced[0] == pytest.approx((share,) * 4)
+    assert plan.config["ngram_unplaced"] == pytest.approx(unplaced[0], abs=1e-4)
 
 
 def test_term_raises_the_ngram_tables_fit_and_reports_on_token_rows(predictor):
@@ -176,3 +200,17 @@ def test_bad_weight_is_one_line_error(predictor, tmp_path, capsys, weight: str):
     err = capsys.readouterr().err
     assert err.startswith("moeplan: error: ngram_weight=") and err.count("\n") == 1
     assert not (tmp_path / "plan").exists()
+
+
+def test_unplaced_share_counts_only_tokens_no_neighbour_places(predictor):
+    problems = layer_problems(predictor, 4)
+    share = unseen_share(problems[0].token_freq)
+    assert unplaced_share(predictor, problems) == pytest.approx((share,) * 4)
+    lent = copy.deepcopy(predictor)  # input embeddings lend unseen tokens a known neighbour
+    aff = lent.affinity
+    unseen = np.flatnonzero(~aff.seen_)
+    aff.nearest_known_[unseen] = np.flatnonzero(aff.seen_)[0]
+    assert unplaced_share(lent, problems) == (0.0,) * 4
+    aff.nearest_known_[unseen[: unseen.size // 4]] = -1  # a quarter with no neighbour
+    got = unplaced_share(lent, problems)
+    assert got == pytest.approx((share * (unseen.size // 4) / unseen.size,) * 4)
