@@ -346,6 +346,10 @@ def apply_expert_placement(
     return model
 
 
+def _holds_integers(t: torch.Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
 def physical_to_logical(expert_ids: torch.Tensor, expert_permutation: torch.Tensor) -> torch.Tensor:
     """Map expert ids emitted by a permuted model back to logical ids.
 
@@ -355,12 +359,29 @@ def physical_to_logical(expert_ids: torch.Tensor, expert_permutation: torch.Tens
 
     Returns:
         [T, L, k] int64 logical expert ids.
+
+    Raises:
+        InputError: ids that are not integers in [0, N), or a table that is not [L, N].
     """
-    perm = torch.as_tensor(expert_permutation).to(torch.int64)
-    ids = torch.as_tensor(expert_ids).to(device=perm.device, dtype=torch.int64)
+    perm = torch.as_tensor(expert_permutation)
+    if perm.ndim != 2 or not _holds_integers(perm):
+        raise InputError(
+            f"expert_permutation must be an integer [L, N] tensor, got {tuple(perm.shape)} "
+            f"{perm.dtype}"
+        )
+    perm = perm.to(torch.int64)
+    ids = torch.as_tensor(expert_ids)
+    if not _holds_integers(ids):
+        raise InputError(f"expert_ids must hold integers, got {ids.dtype}")
+    ids = ids.to(device=perm.device, dtype=torch.int64)
     if ids.ndim != 3 or ids.shape[1] != perm.shape[0]:
         raise InputError(
             f"expert_ids must be [T, L, k] with L={perm.shape[0]}, got {tuple(ids.shape)}"
         )
+    n = perm.shape[1]
+    if ids.numel():  # a negative id would wrap to the last slots, a large one IndexError
+        lo, hi = (int(v) for v in ids.aminmax())
+        if lo < 0 or hi >= n:
+            raise InputError(f"expert id {lo if lo < 0 else hi} outside [0, {n}) (physical slots)")
     layer = torch.arange(perm.shape[0], device=perm.device)[None, :, None]
     return perm[layer, ids]

@@ -100,6 +100,24 @@ def test_physical_to_logical_matches_the_table():
     assert physical_to_logical(ids, torch.from_numpy(perm)).tolist() == [[[2, 1], [2, 1]]]
 
 
+def test_physical_to_logical_refuses_ids_that_are_not_slots():
+    perm = torch.tensor([[2, 0, 1], [1, 2, 0]])
+    # -1 wrapped to the last slot, 1.5 was truncated to slot 1, 3 an IndexError from torch
+    for bad, match in (
+        (-1, r"expert id -1 outside \[0, 3\)"),
+        (3, r"expert id 3 outside \[0, 3\)"),
+    ):
+        with pytest.raises(InputError, match=match):
+            physical_to_logical(torch.full((1, 2, 2), bad), perm)
+    for ids in (torch.full((1, 2, 2), 1.5), torch.ones((1, 2, 2), dtype=torch.bool)):
+        with pytest.raises(InputError, match="expert_ids must hold integers"):
+            physical_to_logical(ids, perm)
+    with pytest.raises(InputError, match="expert_permutation must be an integer"):
+        physical_to_logical(torch.zeros((1, 2, 2), dtype=torch.long), perm.float())
+    empty = physical_to_logical(torch.zeros((0, 2, 2), dtype=torch.int32), perm)
+    assert empty.shape == (0, 2, 2) and empty.dtype == torch.int64
+
+
 def deepseek(model_type: str, **overrides):
     return build_model(model_type, ARCH_CONFIGS[model_type] | overrides)
 
