@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from planner._checks import is_integer, is_plain_int
+from planner._checks import is_integer
 from planner.errors import InputError, MismatchError
 from planner.trace.io import Trace, open_trace
 
@@ -55,16 +55,19 @@ def _layers(tables: Any, layer: LayerSpec) -> list[int]:
     return [int(i) for i in layers]
 
 
-def _check_dp(tables: Any, dp_size: int) -> None:
+def _check_dp(tables: Any, dp_size: int) -> int:
+    """``dp_size`` as a Python int (a numpy integer too: the report is written as JSON)."""
     if not hasattr(tables, "ep_size"):
         raise InputError(f"tables must be PlanTables (load_bundle), got {type(tables).__name__}")
-    if not is_plain_int(dp_size) or dp_size < 1:
+    if not is_integer(dp_size) or dp_size < 1:
         raise InputError(f"dp_size must be a positive integer, got {dp_size!r}")
+    dp_size = int(dp_size)
     if dp_size != tables.ep_size:
         raise MismatchError(
             f"dp_size={dp_size} but the tables were planned for ep_size={tables.ep_size}; "
             "Attention-DP scheduling maps DP rank d to EP device d, so they must be equal"
         )
+    return dp_size
 
 
 class _TokenScorer:
@@ -295,7 +298,7 @@ def evaluate_schedule(
     Returns:
         A :class:`ScheduleReport`; ``lar`` fields only for a trace.
     """
-    _check_dp(tables, dp_size)
+    dp_size = _check_dp(tables, dp_size)
     if not is_integer(batch_rows) or batch_rows < 1:
         raise InputError(f"batch_rows must be a positive integer, got {batch_rows!r}")
     layers = _layers(tables, layer)

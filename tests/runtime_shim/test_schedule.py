@@ -146,3 +146,15 @@ def test_errors():
     with pytest.raises(InputError, match="batch_rows must be a positive integer"):
         evaluate_schedule([[0]], tables, dp_size=2, batch_rows=0)
     assert schedule_requests([], tables, dp_size=2).shape == (0,)
+
+
+def test_dp_size_may_be_a_numpy_integer():
+    # e.g. read from a config array; it was refused as "must be a positive integer"
+    tables = split_tables()
+    requests = [[0, 1, 2], [5, 6]]
+    assert schedule_requests(requests, tables, dp_size=np.int64(2)).tolist() == [0, 1]
+    rep = evaluate_schedule(requests, tables, dp_size=np.int32(2))
+    assert rep.dp_size == 2 and type(rep.dp_size) is int  # to_dict() is written as JSON
+    for bad in (True, 2.0, np.float64(2), "2"):
+        with pytest.raises(InputError, match="dp_size must be a positive integer"):
+            schedule_requests(requests, tables, dp_size=bad)
