@@ -41,6 +41,25 @@ def _np(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
+def _request_ids(requests: Iterable[Any]) -> list[np.ndarray]:
+    """Each request as a 1-D array of token ids (a bare id is not a request: ``[0, 1, 2]``
+    is three requests only if each is a sequence)."""
+    out = []
+    for i, r in enumerate(requests):
+        try:
+            ids = _np(r)
+        except ValueError:
+            ids = None  # a ragged nested list
+        if ids is None or ids.ndim != 1:
+            shape = "ragged" if ids is None else f"shape {ids.shape}"
+            raise InputError(
+                f"requests[{i}] must be a 1-D sequence of token ids, got {shape}; pass a "
+                "list of requests, one sequence each"
+            )
+        out.append(ids)
+    return out
+
+
 def _layers(tables: Any, layer: LayerSpec) -> list[int]:
     big_l = int(tables.num_layers)
     layers: list[Any]
@@ -117,7 +136,7 @@ def request_device_scores(
         of weight(l, t) * [token_to_device[l, t] == d].
     """
     scorer = _TokenScorer(tables, _layers(tables, layer), weighting)
-    rows = [scorer(_np(r)).sum(axis=0) for r in requests]
+    rows = [scorer(r).sum(axis=0) for r in _request_ids(requests)]
     return np.stack(rows) if rows else np.zeros((0, scorer.ep))
 
 
@@ -219,7 +238,7 @@ class _Workload:
 
 
 def _workload_from_sequences(requests: Iterable[Any], scorer: _TokenScorer) -> _Workload:
-    seqs = [_np(r).reshape(-1) for r in requests]
+    seqs = _request_ids(requests)
     scores = np.stack([scorer(s).sum(axis=0) for s in seqs]) if seqs else np.zeros((0, scorer.ep))
     tokens = np.array([s.size for s in seqs], dtype=np.int64)
     return _Workload(scores, tokens, None, 0)

@@ -158,3 +158,19 @@ def test_dp_size_may_be_a_numpy_integer():
     for bad in (True, 2.0, np.float64(2), "2"):
         with pytest.raises(InputError, match="dp_size must be a positive integer"):
             schedule_requests(requests, tables, dp_size=bad)
+
+
+def test_each_request_must_be_one_sequence_of_token_ids():
+    tables = split_tables()
+    # One request's ids passed without the outer list were three one-token requests.
+    with pytest.raises(InputError, match=r"requests\[0\] must be a 1-D sequence of token ids"):
+        schedule_requests([0, 1, 2], tables, dp_size=2)
+    with pytest.raises(InputError, match=r"requests\[1\] must be a 1-D sequence.*\(2, 2\)"):
+        schedule_requests([[0], [[5, 6], [7, 8]]], tables, dp_size=2)
+    with pytest.raises(InputError, match=r"requests\[0\] must be a 1-D sequence.*ragged"):
+        schedule_requests([[[0, 1], [2]]], tables, dp_size=2)  # numpy's ValueError before
+    with pytest.raises(InputError, match=r"requests\[0\] must be a 1-D sequence"):
+        evaluate_schedule([3, 4], tables, dp_size=2)
+    # Iterating a [R, S] array or tensor gives R one-dimensional requests: fine.
+    assert schedule_requests(np.array([[0, 1], [5, 6]]), tables, dp_size=2).tolist() == [0, 1]
+    assert schedule_requests([[], [5]], tables, dp_size=2).tolist() == [0, 1]
