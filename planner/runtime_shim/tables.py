@@ -193,8 +193,12 @@ def assign_with_capacity(
     return _back(out[0] if squeeze else out, to_np)
 
 
+def _holds_integers(t: torch.Tensor) -> bool:
+    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+
+
 def _check_device_ids(dev: torch.Tensor, e: int, name: str, allow_none: bool = False) -> None:
-    if dev.dtype.is_floating_point or dev.dtype == torch.bool:
+    if not _holds_integers(dev):
         raise InputError(f"{name} ids must be integers, got {dev.dtype}")
     lo_ok = -1 if allow_none else 0
     if dev.numel() and (int(dev.min()) < lo_ok or int(dev.max()) >= e):
@@ -435,7 +439,7 @@ class PlanTables:
             raise InputError(f"layer={layer!r} outside [0, {self.num_layers}) MoE layers")
         if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1:
             raise InputError("token_ids must be a 1-D integer tensor [T]")
-        if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
+        if not _holds_integers(token_ids):
             raise InputError(f"token_ids must hold integers, got {token_ids.dtype}")
         ids = token_ids.to(device=self.device, dtype=torch.int64)
         if prev is not None:
@@ -443,7 +447,7 @@ class PlanTables:
             if not isinstance(prev, torch.Tensor) or tuple(prev.shape) != want:
                 got = list(prev.shape) if isinstance(prev, torch.Tensor) else type(prev).__name__
                 raise InputError(f"prev_top1_experts must be [T, n] = {list(want)}, got {got}")
-            if prev.dtype.is_floating_point or prev.dtype == torch.bool:
+            if not _holds_integers(prev):
                 raise InputError(f"prev_top1_experts must hold integers, got {prev.dtype}")
         if validate and ids.numel():
             lo, hi = int(ids.min()), int(ids.max())

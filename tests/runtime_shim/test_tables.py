@@ -426,3 +426,15 @@ def test_route_on_cuda_matches_cpu(tables):
         got = gpu.route(ids.cuda(), layer, prev.cuda(), cap)
         assert got.device.type == "cuda"
         assert got.cpu().tolist() == want.tolist()
+
+
+def test_route_refuses_complex_ids(tables):
+    # A complex tensor was cast to int64 with only torch's UserWarning (imaginary part dropped).
+    ids = torch.tensor([1, 2])
+    with pytest.raises(InputError, match="token_ids must hold integers, got torch.complex64"):
+        tables.route(ids.to(torch.complex64), 0)
+    prev = torch.tensor([[0, 1], [2, 3]], dtype=torch.complex64)
+    with pytest.raises(InputError, match="prev_top1_experts must hold integers, got torch.compl"):
+        tables.route(ids, 3, prev)
+    with pytest.raises(InputError, match="device ids must be integers, got torch.complex128"):
+        assign_with_capacity(np.array([0, 1], complex), np.zeros(2), 2, 2)  # NotImplementedError
