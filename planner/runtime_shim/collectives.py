@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from planner.errors import InputError, MismatchError
+from planner.runtime_shim._data import require_data
 from planner.runtime_shim.rebatch import Backend, RebatchInfo, apply_rebatch, plan_rebatch, resume
 
 Method = Literal["auto", "reduce_scatter", "all_reduce"]
@@ -120,6 +121,8 @@ def shuffled_reduce_scatter(
     """
     if method not in ("auto", "reduce_scatter", "all_reduce"):
         raise InputError(f"method must be auto, reduce_scatter or all_reduce, got {method!r}")
+    require_data(x, "x")
+    require_data(devices, "devices")
     world, rank = _group_shape(group)
     if x.ndim != 2:
         raise InputError(f"x must be [T, H], got shape {tuple(x.shape)}")
@@ -174,6 +177,7 @@ def shuffled_all_gather(
     Returns:
         x: [T, H], row t the chunk row of token t from the rank it was sent to.
     """
+    require_data(local_rows, "local_rows")
     world, _ = _group_shape(group)
     if world != info.ep_size:
         raise MismatchError(f"group has {world} ranks but the plan has ep_size {info.ep_size}")

@@ -18,6 +18,7 @@ import os
 import torch
 
 from planner.errors import InputError
+from planner.runtime_shim._data import require_data
 
 try:
     import triton
@@ -104,6 +105,8 @@ def gather_rows(
         raise InputError("gather_rows needs triton, which is not importable; use backend='torch'")
     if src.ndim != 2:
         raise InputError(f"src must be [S, H], got shape {tuple(src.shape)}")
+    require_data(src, "src")
+    require_data(index, "index")
     if index.ndim != 1 or index.dtype != torch.int64:
         raise InputError(
             f"index must be a 1-D int64 tensor, got shape {tuple(index.shape)} dtype {index.dtype}"

@@ -39,6 +39,7 @@ from torch import nn
 from planner._checks import is_integer
 from planner.errors import InputError, MismatchError, ModelError
 from planner.profile.routers import ADAPTERS, find_routers
+from planner.runtime_shim._data import require_data
 
 EXPERTS_ATTR = "experts"  # attribute of every supported MoE block holding the experts
 APPLIED_ATTR = "moeplan_expert_permutation"  # set on the model once a placement is applied
@@ -275,6 +276,7 @@ def apply_expert_placement(
             f"got {type(tables).__name__}"
         )
     perm_t = torch.as_tensor(source)
+    require_data(perm_t, "tables.expert_permutation")
     if perm_t.is_floating_point() or perm_t.is_complex() or perm_t.dtype == torch.bool:
         raise InputError(f"tables.expert_permutation must hold integers, got {perm_t.dtype}")
     perm_t = perm_t.to(torch.int64).cpu()
@@ -364,6 +366,7 @@ def physical_to_logical(expert_ids: torch.Tensor, expert_permutation: torch.Tens
         InputError: ids that are not integers in [0, N), or a table that is not [L, N].
     """
     perm = torch.as_tensor(expert_permutation)
+    require_data(perm, "expert_permutation")
     if perm.ndim != 2 or not _holds_integers(perm):
         raise InputError(
             f"expert_permutation must be an integer [L, N] tensor, got {tuple(perm.shape)} "
@@ -371,6 +374,7 @@ def physical_to_logical(expert_ids: torch.Tensor, expert_permutation: torch.Tens
         )
     perm = perm.to(torch.int64)
     ids = torch.as_tensor(expert_ids)
+    require_data(ids, "expert_ids")
     if not _holds_integers(ids):
         raise InputError(f"expert_ids must hold integers, got {ids.dtype}")
     ids = ids.to(device=perm.device, dtype=torch.int64)

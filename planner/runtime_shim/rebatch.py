@@ -36,6 +36,7 @@ import torch
 from planner._checks import is_integer
 from planner.errors import InputError
 from planner.runtime_shim import kernels
+from planner.runtime_shim._data import require_data
 
 Backend = Literal["auto", "triton", "torch"]
 BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
@@ -105,6 +106,7 @@ def plan_rebatch(devices: torch.Tensor, ep_size: int, chunk_rows: int | None = N
         raise InputError(f"ep_size must be an integer in 1..{MAX_EP_SIZE}, got {ep_size!r}")
     ep_size = int(ep_size)
     devices = torch.as_tensor(devices)
+    require_data(devices, "devices")
     if devices.ndim != 1:
         raise InputError(f"devices must be a 1-D tensor [T], got shape {tuple(devices.shape)}")
     if devices.is_floating_point() or devices.is_complex() or devices.dtype == torch.bool:
@@ -201,6 +203,7 @@ def apply_rebatch(
             f"hidden must be [T, H] with T={info.num_tokens} (the plan's tokens), "
             f"got shape {tuple(hidden.shape)}"
         )
+    require_data(hidden, "hidden")
     shape = (info.padded_rows, hidden.shape[1])
     _check_out(out, shape, hidden)
     index = info.slot_to_token.to(hidden.device)
@@ -251,7 +254,9 @@ def rebatch(
     """
     if hidden.ndim != 2:
         raise InputError(f"hidden must be [T, H], got shape {tuple(hidden.shape)}")
+    require_data(hidden, "hidden")
     devices = torch.as_tensor(devices)
+    require_data(devices, "devices")
     if devices.ndim != 1 or devices.shape[0] != hidden.shape[0]:
         raise InputError(
             f"devices must be [T] with T={hidden.shape[0]} (rows of hidden), "
@@ -282,6 +287,7 @@ def resume(
             f"shuffled must be [E*C, H] with E*C={info.padded_rows} "
             f"(E={info.ep_size}, C={info.chunk_rows}), got shape {tuple(shuffled.shape)}"
         )
+    require_data(shuffled, "shuffled")
     shape = (info.num_tokens, shuffled.shape[1])
     _check_out(out, shape, shuffled)
     index = info.token_to_slot.to(shuffled.device)

@@ -28,6 +28,7 @@ import numpy as np
 
 from planner._checks import is_integer
 from planner.errors import InputError, MismatchError
+from planner.runtime_shim._data import require_data
 from planner.trace.io import Trace, open_trace
 
 Weighting = Literal["confidence", "count"]
@@ -37,6 +38,7 @@ LayerSpec = int | Sequence[int] | None
 def _np(x: Any) -> np.ndarray:
     """A tensor or array as numpy (tables may live on an accelerator)."""
     if hasattr(x, "detach"):
+        require_data(x, "a request")
         return x.detach().cpu().numpy()
     return np.asarray(x)
 

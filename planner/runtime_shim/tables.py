@@ -50,6 +50,7 @@ from planner.export.bundle import (
     load_bundle_arrays,
     ngram_row_index,
 )
+from planner.runtime_shim._data import require_data
 
 DEFAULT_SLACK = 1.1  # DESIGN.md balanced LAR: at most ceil(1.1 * B / E) tokens per device
 
@@ -152,6 +153,8 @@ def assign_with_capacity(
     """
     dev, to_np = _as_tensor(device)
     conf, _ = _as_tensor(confidence)
+    require_data(dev, "device")
+    require_data(conf, "confidence")
     if dev.shape != conf.shape or dev.dim() not in (1, 2):
         raise InputError(
             f"device and confidence must both be [T] or [R, T]; got {list(dev.shape)} and "
@@ -170,6 +173,8 @@ def assign_with_capacity(
     if second is not None:
         alt, _ = _as_tensor(second)
         alt_conf, _ = _as_tensor(second_confidence)
+        require_data(alt, "second")
+        require_data(alt_conf, "second_confidence")
         if alt.shape != dev.shape or alt_conf.shape != dev.shape:
             raise InputError(
                 f"second and second_confidence must have the shape of device "
@@ -441,6 +446,7 @@ class PlanTables:
             raise InputError("token_ids must be a 1-D integer tensor [T]")
         if not _holds_integers(token_ids):
             raise InputError(f"token_ids must hold integers, got {token_ids.dtype}")
+        require_data(token_ids, "token_ids")
         ids = token_ids.to(device=self.device, dtype=torch.int64)
         if prev is not None:
             want = (token_ids.shape[0], self.ngram_order)
@@ -449,6 +455,7 @@ class PlanTables:
                 raise InputError(f"prev_top1_experts must be [T, n] = {list(want)}, got {got}")
             if not _holds_integers(prev):
                 raise InputError(f"prev_top1_experts must hold integers, got {prev.dtype}")
+            require_data(prev, "prev_top1_experts")
         if validate and ids.numel():
             lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= self.vocab_size:

@@ -65,3 +65,14 @@ def test_every_case_ran(rank_results):
 def test_needs_initialized_process_group():
     with pytest.raises(InputError, match="not initialized"):
         shuffled_reduce_scatter(torch.zeros(2, 2), torch.tensor([0, 1]))
+
+
+def test_meta_tensors_are_refused_before_any_collective():
+    from planner.runtime_shim.collectives import shuffled_all_gather
+    from planner.runtime_shim.rebatch import plan_rebatch
+
+    with pytest.raises(InputError, match="x is on the meta device"):
+        shuffled_reduce_scatter(torch.empty((2, 3), device="meta"), torch.tensor([0, 0]))
+    info = plan_rebatch(torch.tensor([0, 0]), 1)
+    with pytest.raises(InputError, match="local_rows is on the meta device"):
+        shuffled_all_gather(torch.empty((2, 3), device="meta"), info)

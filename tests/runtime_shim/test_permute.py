@@ -114,7 +114,12 @@ def test_physical_to_logical_refuses_ids_that_are_not_slots():
             physical_to_logical(ids, perm)
     with pytest.raises(InputError, match="expert_permutation must be an integer"):
         physical_to_logical(torch.zeros((1, 2, 2), dtype=torch.long), perm.float())
+    with pytest.raises(InputError, match="expert_ids is on the meta device"):
+        physical_to_logical(torch.zeros((1, 2, 2), dtype=torch.long, device="meta"), perm)
     empty = physical_to_logical(torch.zeros((0, 2, 2), dtype=torch.int32), perm)
+    meta = SimpleNamespace(expert_permutation=torch.zeros((2, 3), dtype=torch.long, device="meta"))
+    with pytest.raises(InputError, match="tables.expert_permutation is on the meta device"):
+        apply_expert_placement(nn.Linear(2, 2), meta)
     assert empty.shape == (0, 2, 2) and empty.dtype == torch.int64
 
 

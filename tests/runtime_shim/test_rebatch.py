@@ -172,3 +172,18 @@ def test_auto_backend_moves_integer_rows_on_cuda():
     devices = torch.tensor([1, 0, 1, 3, 3, 3], device="cuda")
     shuffled, info = rebatch(x, devices, 4)
     assert torch.equal(resume(shuffled, info), x)
+
+
+def test_meta_tensors_are_refused_with_one_line():
+    # torch's NotImplementedError "Cannot copy out of meta tensor; no data!" before
+    meta_x = torch.empty((3, 2), device="meta")
+    devices = torch.tensor([0, 1, 0])
+    with pytest.raises(InputError, match="hidden is on the meta device"):
+        rebatch(meta_x, devices, 2)
+    with pytest.raises(InputError, match="devices is on the meta device"):
+        rebatch(torch.zeros(3, 2), devices.to("meta"), 2)
+    shuffled, info = rebatch(torch.zeros(3, 2), devices, 2)
+    with pytest.raises(InputError, match="shuffled is on the meta device"):
+        resume(shuffled.to("meta"), info)
+    with pytest.raises(InputError, match="hidden is on the meta device"):
+        apply_rebatch(meta_x, info)

@@ -174,3 +174,10 @@ def test_each_request_must_be_one_sequence_of_token_ids():
     # Iterating a [R, S] array or tensor gives R one-dimensional requests: fine.
     assert schedule_requests(np.array([[0, 1], [5, 6]]), tables, dp_size=2).tolist() == [0, 1]
     assert schedule_requests([[], [5]], tables, dp_size=2).tolist() == [0, 1]
+
+
+def test_meta_request_is_refused():
+    import torch
+
+    with pytest.raises(InputError, match="a request is on the meta device"):
+        schedule_requests([torch.zeros(2, dtype=torch.long, device="meta")], split_tables(), 2)

@@ -438,3 +438,15 @@ def test_route_refuses_complex_ids(tables):
         tables.route(ids, 3, prev)
     with pytest.raises(InputError, match="device ids must be integers, got torch.complex128"):
         assign_with_capacity(np.array([0, 1], complex), np.zeros(2), 2, 2)  # NotImplementedError
+
+
+def test_route_refuses_meta_tensors(tables):
+    # torch's NotImplementedError / RuntimeError (Tensor.item() on meta) before
+    ids = torch.tensor([1, 2])
+    with pytest.raises(InputError, match="token_ids is on the meta device"):
+        tables.route(ids.to("meta"), 0)
+    prev = torch.zeros((2, 2), dtype=torch.long, device="meta")
+    with pytest.raises(InputError, match="prev_top1_experts is on the meta device"):
+        tables.route(ids, 3, prev)
+    with pytest.raises(InputError, match="device is on the meta device"):
+        assign_with_capacity(ids.to("meta"), torch.ones(2, device="meta"), 2, 4)

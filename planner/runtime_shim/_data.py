@@ -1,0 +1,18 @@
+"""A check shared by the shim's entry points: tensors must hold data."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from planner.errors import InputError
+
+
+def require_data(x: Any, name: str) -> None:
+    """InputError unless ``x`` holds values: a tensor on the 'meta' device has only a shape,
+    and every shim function reads values (ids, ranges, counts), which torch reports as a
+    raw NotImplementedError or RuntimeError deep inside."""
+    device = getattr(x, "device", None)
+    if getattr(device, "type", None) == "meta":
+        raise InputError(
+            f"{name} is on the meta device (a shape without data); move it to a real device"
+        )
