@@ -1,8 +1,10 @@
-"""A check shared by the shim's entry points: tensors must hold data."""
+"""Checks shared by the shim's entry points: tensors must be tensors and hold data."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 from planner.errors import InputError
 
@@ -16,3 +18,11 @@ def require_data(x: Any, name: str) -> None:
         raise InputError(
             f"{name} is on the meta device (a shape without data); move it to a real device"
         )
+
+
+def require_tensor(x: Any, name: str) -> None:
+    """InputError unless ``x`` is a torch tensor with data (numpy arrays and lists are not
+    converted: the result's dtype and device follow the input's)."""
+    if not isinstance(x, torch.Tensor):
+        raise InputError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    require_data(x, name)

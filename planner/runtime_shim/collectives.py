@@ -39,8 +39,15 @@ import torch
 import torch.distributed as dist
 
 from planner.errors import InputError, MismatchError
-from planner.runtime_shim._data import require_data
-from planner.runtime_shim.rebatch import Backend, RebatchInfo, apply_rebatch, plan_rebatch, resume
+from planner.runtime_shim._data import require_data, require_tensor
+from planner.runtime_shim.rebatch import (
+    Backend,
+    RebatchInfo,
+    apply_rebatch,
+    check_info,
+    plan_rebatch,
+    resume,
+)
 
 Method = Literal["auto", "reduce_scatter", "all_reduce"]
 
@@ -121,7 +128,7 @@ def shuffled_reduce_scatter(
     """
     if method not in ("auto", "reduce_scatter", "all_reduce"):
         raise InputError(f"method must be auto, reduce_scatter or all_reduce, got {method!r}")
-    require_data(x, "x")
+    require_tensor(x, "x")
     require_data(devices, "devices")
     world, rank = _group_shape(group)
     if x.ndim != 2:
@@ -177,7 +184,8 @@ def shuffled_all_gather(
     Returns:
         x: [T, H], row t the chunk row of token t from the rank it was sent to.
     """
-    require_data(local_rows, "local_rows")
+    require_tensor(local_rows, "local_rows")
+    check_info(info)
     world, _ = _group_shape(group)
     if world != info.ep_size:
         raise MismatchError(f"group has {world} ranks but the plan has ep_size {info.ep_size}")

@@ -36,7 +36,7 @@ import torch
 from planner._checks import is_integer
 from planner.errors import InputError
 from planner.runtime_shim import kernels
-from planner.runtime_shim._data import require_data
+from planner.runtime_shim._data import require_data, require_tensor
 
 Backend = Literal["auto", "triton", "torch"]
 BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
@@ -153,6 +153,13 @@ def plan_rebatch(devices: torch.Tensor, ep_size: int, chunk_rows: int | None = N
     return RebatchInfo(slot_to_token, token_to_slot, counts, chunk_rows)
 
 
+def check_info(info: RebatchInfo) -> None:
+    if not isinstance(info, RebatchInfo):
+        raise InputError(
+            f"info must be the RebatchInfo rebatch returned, got {type(info).__name__}"
+        )
+
+
 def _use_triton(x: torch.Tensor, backend: str) -> bool:
     if backend not in BACKENDS:
         raise InputError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -198,12 +205,13 @@ def apply_rebatch(
     A ``hidden`` that requires grad (grad mode on) takes torch's differentiable gather
     whatever the backend, and refuses ``out``.
     """
+    require_tensor(hidden, "hidden")
+    check_info(info)
     if hidden.ndim != 2 or hidden.shape[0] != info.num_tokens:
         raise InputError(
             f"hidden must be [T, H] with T={info.num_tokens} (the plan's tokens), "
             f"got shape {tuple(hidden.shape)}"
         )
-    require_data(hidden, "hidden")
     shape = (info.padded_rows, hidden.shape[1])
     _check_out(out, shape, hidden)
     index = info.slot_to_token.to(hidden.device)
@@ -252,9 +260,9 @@ def rebatch(
             original order followed by zero padding.
         info: the :class:`RebatchInfo` that :func:`resume` needs.
     """
+    require_tensor(hidden, "hidden")
     if hidden.ndim != 2:
         raise InputError(f"hidden must be [T, H], got shape {tuple(hidden.shape)}")
-    require_data(hidden, "hidden")
     devices = torch.as_tensor(devices)
     require_data(devices, "devices")
     if devices.ndim != 1 or devices.shape[0] != hidden.shape[0]:
@@ -278,16 +286,13 @@ def resume(
     ``out`` is an optional preallocated [T, H] buffer of shuffled's dtype and device.
     Tensors that require grad are handled as in :func:`apply_rebatch`.
     """
-    if not isinstance(info, RebatchInfo):
-        raise InputError(
-            f"info must be the RebatchInfo rebatch returned, got {type(info).__name__}"
-        )
+    require_tensor(shuffled, "shuffled")
+    check_info(info)
     if shuffled.ndim != 2 or shuffled.shape[0] != info.padded_rows:
         raise InputError(
             f"shuffled must be [E*C, H] with E*C={info.padded_rows} "
             f"(E={info.ep_size}, C={info.chunk_rows}), got shape {tuple(shuffled.shape)}"
         )
-    require_data(shuffled, "shuffled")
     shape = (info.num_tokens, shuffled.shape[1])
     _check_out(out, shape, shuffled)
     index = info.token_to_slot.to(shuffled.device)

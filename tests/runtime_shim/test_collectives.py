@@ -76,3 +76,13 @@ def test_meta_tensors_are_refused_before_any_collective():
     info = plan_rebatch(torch.tensor([0, 0]), 1)
     with pytest.raises(InputError, match="local_rows is on the meta device"):
         shuffled_all_gather(torch.empty((2, 3), device="meta"), info)
+
+
+def test_arguments_of_the_wrong_type_are_one_line_errors():
+    from planner.runtime_shim.collectives import shuffled_all_gather
+
+    # both were AttributeErrors ('NoneType' object has no attribute 'ep_size', ...)
+    with pytest.raises(InputError, match="info must be the RebatchInfo"):
+        shuffled_all_gather(torch.zeros((2, 3)), None)
+    with pytest.raises(InputError, match="x must be a torch.Tensor, got ndarray"):
+        shuffled_reduce_scatter(torch.zeros((2, 3)).numpy(), torch.tensor([0, 0]))

@@ -187,3 +187,17 @@ def test_meta_tensors_are_refused_with_one_line():
         resume(shuffled.to("meta"), info)
     with pytest.raises(InputError, match="hidden is on the meta device"):
         apply_rebatch(meta_x, info)
+
+
+def test_arguments_of_the_wrong_type_are_one_line_errors():
+    x, devices = np.zeros((3, 2), np.float32), torch.tensor([0, 1, 0])
+    # a numpy hidden was an AttributeError ('numpy.ndarray' object has no attribute ...)
+    with pytest.raises(InputError, match="hidden must be a torch.Tensor, got ndarray"):
+        rebatch(x, devices, 2)
+    shuffled, info = rebatch(torch.from_numpy(x), devices, 2)
+    with pytest.raises(InputError, match="shuffled must be a torch.Tensor, got ndarray"):
+        resume(shuffled.numpy(), info)
+    with pytest.raises(InputError, match="hidden must be a torch.Tensor, got list"):
+        apply_rebatch([[0.0, 0.0]] * 3, info)
+    with pytest.raises(InputError, match="info must be the RebatchInfo"):
+        apply_rebatch(torch.from_numpy(x), None)
