@@ -75,10 +75,10 @@ class RebatchInfo:
 
     def chunk_tokens(self, device: int) -> torch.Tensor:
         """[C] int64: original rows in device ``device``'s chunk, -1 for padding."""
-        if not 0 <= device < self.ep_size:
-            raise InputError(f"device {device} outside [0, {self.ep_size})")
-        c = self.chunk_rows
-        return self.slot_to_token[device * c : (device + 1) * c]
+        if not is_integer(device) or not 0 <= device < self.ep_size:
+            raise InputError(f"device {device!r} outside [0, {self.ep_size}) (integer device ids)")
+        c, d = self.chunk_rows, int(device)
+        return self.slot_to_token[d * c : (d + 1) * c]
 
     def to(self, device: torch.device | str) -> RebatchInfo:
         """The same plan with its index tensors on ``device``."""

@@ -201,3 +201,12 @@ def test_arguments_of_the_wrong_type_are_one_line_errors():
         apply_rebatch([[0.0, 0.0]] * 3, info)
     with pytest.raises(InputError, match="info must be the RebatchInfo"):
         apply_rebatch(torch.from_numpy(x), None)
+
+
+def test_chunk_tokens_takes_a_device_id_only():
+    _, info = rebatch(torch.zeros(3, 1), torch.tensor([1, 0, 1]), 2)
+    assert info.chunk_tokens(np.int64(1)).tolist() == [0, 2]
+    # True was device 1; 1.5 a TypeError from slicing
+    for bad in (True, 1.5, "1"):
+        with pytest.raises(InputError, match=rf"device {bad!r} outside \[0, 2\)"):
+            info.chunk_tokens(bad)
