@@ -107,6 +107,12 @@ def online_candidates(
     tc, _ = _as_tensor(token_confidence)
     nd, _ = _as_tensor(ngram_device)
     nc, _ = _as_tensor(ngram_confidence)
+    if not td.shape == tc.shape == nd.shape == nc.shape:  # no broadcasting: [T] vs [T, 1]
+        shapes = ", ".join(str(list(x.shape)) for x in (td, tc, nd, nc))
+        raise InputError(
+            "token_device, token_confidence, ngram_device and ngram_confidence must have "
+            f"the same shape, got {shapes}"
+        )
     td, nd, tc, nc = td.to(torch.int64), nd.to(torch.int64), tc.float(), nc.float()
     use_ngram = (nc > tc) & (nd >= 0)
     device = torch.where(use_ngram, nd, td)

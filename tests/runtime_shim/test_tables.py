@@ -450,3 +450,12 @@ def test_route_refuses_meta_tensors(tables):
         tables.route(ids, 3, prev)
     with pytest.raises(InputError, match="device is on the meta device"):
         assign_with_capacity(ids.to("meta"), torch.ones(2, device="meta"), 2, 4)
+
+
+def test_online_choice_refuses_arguments_of_different_shapes():
+    # A [T] token table against a [T, 1] n-gram table broadcast silently to [T, T].
+    dev, conf = np.array([0, 1, 2]), np.full(3, 0.5)
+    with pytest.raises(InputError, match=r"same shape.*\[3\], \[3\], \[3, 1\], \[3, 1\]"):
+        online_choice(dev, conf, dev[:, None], conf[:, None])
+    with pytest.raises(InputError, match="same shape"):
+        online_choice(dev, conf, dev[:1], conf)
