@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from planner._checks import is_integer
+from planner._checks import is_integer, is_real
 from planner.errors import InfeasibleError, InputError
 from planner.export.bundle import (
     MANIFEST_FILE,
@@ -75,12 +75,17 @@ def balanced_capacity(batch_tokens: int, ep_size: int, slack: float = DEFAULT_SL
 
     Computed in exact rational arithmetic (``1.1 * 80 / 8`` is 11, not 12).
     """
-    if batch_tokens < 0 or ep_size <= 0 or not 1 <= slack < math.inf:
+    if (
+        not (is_integer(batch_tokens) and is_integer(ep_size) and is_real(slack))
+        or batch_tokens < 0
+        or ep_size <= 0
+        or not 1 <= slack < math.inf
+    ):
         raise InputError(
-            f"balanced_capacity needs batch_tokens >= 0, ep_size > 0, finite slack >= 1; got "
-            f"{batch_tokens}, {ep_size}, {slack}"
+            "balanced_capacity needs integers batch_tokens >= 0 and ep_size > 0 and a finite "
+            f"slack >= 1; got {batch_tokens!r}, {ep_size!r}, {slack!r}"
         )
-    return math.ceil(Fraction(str(slack)) * batch_tokens / ep_size)
+    return math.ceil(Fraction(str(slack)) * int(batch_tokens) / int(ep_size))
 
 
 def online_choice(

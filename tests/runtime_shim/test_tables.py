@@ -459,3 +459,11 @@ def test_online_choice_refuses_arguments_of_different_shapes():
         online_choice(dev, conf, dev[:, None], conf[:, None])
     with pytest.raises(InputError, match="same shape"):
         online_choice(dev, conf, dev[:1], conf)
+
+
+def test_balanced_capacity_refuses_non_integer_sizes():
+    assert balanced_capacity(np.int64(80), np.int32(8), np.float32(1.5)) == 15
+    # 10.5 tokens gave 6 and True tokens 1; a string slack or None tokens a raw TypeError
+    for args in ((10.5, 2), (True, 2), (10, True), (10, 2.0), (None, 2), (10, 2, "1.1")):
+        with pytest.raises(InputError, match="balanced_capacity needs"):
+            balanced_capacity(*args)
