@@ -65,6 +65,16 @@ def _unsupported(err: Exception) -> bool:
     return isinstance(err, NotImplementedError) or "not support" in text or "unsupported" in text
 
 
+def _refuse_grad(x: torch.Tensor, name: str, what: str) -> None:
+    """The collectives write into buffers and have no backward: with autograd recording,
+    SRS gave each rank only its own chunk's gradient and SAG failed inside torch."""
+    if x.requires_grad and torch.is_grad_enabled():
+        raise InputError(
+            f"{name} requires grad but {what} has no backward; call it under "
+            f"torch.no_grad() or torch.inference_mode(), or pass {name}.detach()"
+        )
+
+
 def _group_shape(group) -> tuple[int, int]:
     if not dist.is_available() or not dist.is_initialized():
         raise InputError("torch.distributed is not initialized; call init_process_group first")
@@ -112,7 +122,8 @@ def shuffled_reduce_scatter(
     """Sum the ranks' partial ``x`` and give rank d the rows of the tokens routed to device d.
 
     Args:
-        x: [T, H] this rank's partial sum of the T tokens' hidden states.
+        x: [T, H] this rank's partial sum of the T tokens' hidden states (no autograd:
+            a tensor that requires grad is refused while grad mode is on).
         devices: [T] integer device of each token, in [0, world size), same on every rank.
         group: process group (default: the world); its size is the EP size E.
         chunk_rows: rows per chunk C, default the largest device group (see rebatch).
@@ -130,6 +141,7 @@ def shuffled_reduce_scatter(
         raise InputError(f"method must be auto, reduce_scatter or all_reduce, got {method!r}")
     require_tensor(x, "x")
     require_data(devices, "devices")
+    _refuse_grad(x, "x", "shuffled_reduce_scatter")
     world, rank = _group_shape(group)
     if x.ndim != 2:
         raise InputError(f"x must be [T, H], got shape {tuple(x.shape)}")
@@ -176,7 +188,7 @@ def shuffled_all_gather(
 
     Args:
         local_rows: [C, H] this rank's chunk (its tokens' rows, then padding; padding rows
-            are dropped whatever they hold).
+            are dropped whatever they hold); no autograd, as for SRS.
         info: the plan returned by :func:`shuffled_reduce_scatter` (same on every rank).
         group: the same process group.
         backend: row-movement backend for the resume.
@@ -186,6 +198,7 @@ def shuffled_all_gather(
     """
     require_tensor(local_rows, "local_rows")
     check_info(info)
+    _refuse_grad(local_rows, "local_rows", "shuffled_all_gather")
     world, _ = _group_shape(group)
     if world != info.ep_size:
         raise MismatchError(f"group has {world} ranks but the plan has ep_size {info.ep_size}")

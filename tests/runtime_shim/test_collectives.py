@@ -86,3 +86,23 @@ def test_arguments_of_the_wrong_type_are_one_line_errors():
         shuffled_all_gather(torch.zeros((2, 3)), None)
     with pytest.raises(InputError, match="x must be a torch.Tensor, got ndarray"):
         shuffled_reduce_scatter(torch.zeros((2, 3)).numpy(), torch.tensor([0, 0]))
+
+
+def test_tensors_that_require_grad_are_refused_before_any_collective():
+    # SRS's output carried a CopyBackwards graph that gave each rank only its own chunk's
+    # gradient (a silently wrong x.grad on 2 gloo ranks); SAG raised torch's RuntimeError
+    # "A view was created in no_grad mode ...". Neither has a backward.
+    from planner.runtime_shim.collectives import shuffled_all_gather
+    from planner.runtime_shim.rebatch import plan_rebatch
+
+    x = torch.zeros((2, 3), requires_grad=True)
+    with pytest.raises(InputError, match="x requires grad but shuffled_reduce_scatter has no"):
+        shuffled_reduce_scatter(x, torch.tensor([0, 0]))
+    info = plan_rebatch(torch.tensor([0, 0]), 1)
+    with pytest.raises(InputError, match="local_rows requires grad but shuffled_all_gather"):
+        shuffled_all_gather(x * 2, info)
+    with torch.no_grad():  # no graph recorded: allowed (here: no process group)
+        with pytest.raises(InputError, match="not initialized"):
+            shuffled_reduce_scatter(x, torch.tensor([0, 0]))
+        with pytest.raises(InputError, match="not initialized"):
+            shuffled_all_gather(x, info)
