@@ -483,12 +483,15 @@ class PlanTables:
 
 
 def _to_device(x: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
-    """``x.to(device)``; a device this torch cannot use (no CUDA build, a bad name) is one
-    InputError line rather than torch's AssertionError or RuntimeError."""
+    """``x.to(device)``; a device this torch cannot use (no CUDA build, a bad name, 'meta')
+    is one InputError line rather than torch's AssertionError or RuntimeError."""
     try:
-        return x.to(device)
+        moved = x.to(device)
     except (AssertionError, RuntimeError) as e:
         raise InputError(f"cannot put the plan tables on device {device!r}: {e}") from None
+    if moved.device.type == "meta":  # a shape without values: every look-up would fail
+        raise InputError(f"cannot put the plan tables on device {device!r}: it holds no data")
+    return moved
 
 
 def load_bundle(path: str | os.PathLike, device: torch.device | str | None = None) -> PlanTables:

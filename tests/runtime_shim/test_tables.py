@@ -467,3 +467,12 @@ def test_balanced_capacity_refuses_non_integer_sizes():
     for args in ((10.5, 2), (True, 2), (10, True), (10, 2.0), (None, 2), (10, 2, "1.1")):
         with pytest.raises(InputError, match="balanced_capacity needs"):
             balanced_capacity(*args)
+
+
+def test_tables_cannot_live_on_the_meta_device(tmp_path):
+    # They loaded, and every route was then torch's RuntimeError (Tensor.item() on meta).
+    path = save_bundle(random_bundle(), tmp_path / "b")
+    with pytest.raises(InputError, match="cannot put the plan tables on device 'meta'"):
+        load_bundle(path, device="meta")
+    with pytest.raises(InputError, match="cannot put the plan tables on device"):
+        load_bundle(path).to(torch.device("meta"))
