@@ -134,6 +134,10 @@ def plan_rebatch(devices: torch.Tensor, ep_size: int, chunk_rows: int | None = N
             "tokens); pass chunk_rows >= that, or None to use it"
         )
     chunk_rows = int(chunk_rows)
+    if ep_size * chunk_rows > torch.iinfo(torch.int64).max:
+        raise InputError(
+            f"chunk_rows={chunk_rows} is too large: {ep_size} x chunk_rows rows overflow int64"
+        )
 
     # Stable sort keeps each device's tokens in their original order. index_select and
     # scatter_ rather than t[idx] indexing: on CPU the latter starts a parallel region even

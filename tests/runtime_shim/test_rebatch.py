@@ -210,3 +210,11 @@ def test_chunk_tokens_takes_a_device_id_only():
     for bad in (True, 1.5, "1"):
         with pytest.raises(InputError, match=rf"device {bad!r} outside \[0, 2\)"):
             info.chunk_tokens(bad)
+
+
+def test_chunk_rows_beyond_int64_is_an_input_error():
+    # E * C past int64 was torch's TypeError "Overflow when unpacking long long" or an
+    # OverflowError "int too big to convert"
+    for chunk in (2**62, 2**70):
+        with pytest.raises(InputError, match="chunk_rows=.* is too large"):
+            plan_rebatch(torch.tensor([0]), 4, chunk)
