@@ -188,6 +188,12 @@ def _differentiable(x: torch.Tensor, out: torch.Tensor | None) -> bool:
 def _check_out(out: torch.Tensor | None, shape: tuple[int, int], like: torch.Tensor) -> None:
     if out is None:
         return
+    require_tensor(out, "out")
+    if out.requires_grad and torch.is_grad_enabled():
+        raise InputError(
+            "out= cannot be used with a tensor that requires grad (no backward writes into "
+            "a preallocated buffer); pass a buffer without requires_grad"
+        )
     if tuple(out.shape) != shape or out.dtype != like.dtype or out.device != like.device:
         raise InputError(
             f"out must be {shape} {like.dtype} on {like.device}, "

@@ -218,3 +218,19 @@ def test_chunk_rows_beyond_int64_is_an_input_error():
     for chunk in (2**62, 2**70):
         with pytest.raises(InputError, match="chunk_rows=.* is too large"):
             plan_rebatch(torch.tensor([0]), 4, chunk)
+
+
+def test_out_must_be_a_tensor():
+    shuffled, info = rebatch(torch.zeros(2, 2), torch.tensor([0, 1]), 2)
+    with pytest.raises(InputError, match="out must be a torch.Tensor, got list"):
+        rebatch(torch.zeros(2, 2), torch.tensor([0, 1]), 2, out=[[0.0] * 2] * 2)
+    with pytest.raises(InputError, match="out must be a torch.Tensor, got list"):
+        resume(shuffled, info, out=[[0.0] * 2] * 2)  # AttributeError before
+    # an out buffer that requires grad was torch's RuntimeError "index_select(): functions
+    # with out=... arguments don't support automatic differentiation"
+    with pytest.raises(InputError, match="out= cannot be used with a tensor that requires grad"):
+        rebatch(
+            torch.zeros(2, 2), torch.tensor([0, 1]), 2, out=torch.zeros(2, 2, requires_grad=True)
+        )
+    with pytest.raises(InputError, match="out= cannot be used with a tensor that requires grad"):
+        resume(shuffled, info, out=torch.zeros(2, 2, requires_grad=True))
