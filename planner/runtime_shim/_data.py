@@ -26,3 +26,34 @@ def require_tensor(x: Any, name: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise InputError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     require_data(x, name)
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` may share memory (an out= buffer and the gather's input).
+
+    Exact for two [R, H] matrices with unit column stride and the same row stride (column
+    slices of one wider matrix do not overlap); otherwise any intersection of their address
+    ranges counts.
+    """
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a_lo, a_hi), (b_lo, b_hi) = span(a), span(b)
+    if a_hi <= b_lo or b_hi <= a_lo:
+        return False
+    size = a.element_size()
+    if a.ndim == b.ndim == 2 and b.element_size() == size:
+        row = a.stride(0) * size
+        unit = all(t.shape[1] <= 1 or t.stride(1) == 1 for t in (a, b))
+        width_a, width_b = a.shape[1] * size, b.shape[1] * size
+        if unit and row > 0 and b.stride(0) * size == row and max(width_a, width_b) <= row:
+            # each row's bytes are a window of the row stride; b's starts `shift` after a's
+            shift = (b_lo - a_lo) % row
+            return shift < width_a or shift + width_b > row
+    return True

@@ -18,7 +18,7 @@ import os
 import torch
 
 from planner.errors import InputError
-from planner.runtime_shim._data import require_data
+from planner.runtime_shim._data import overlaps, require_data
 
 try:
     import triton
@@ -139,6 +139,8 @@ def gather_rows(
         )
     elif hidden > 1 and out.stride(1) != 1:
         raise InputError("out rows must be contiguous (column stride 1)")
+    elif overlaps(out, src):  # programs would read rows that others already overwrote
+        raise InputError("out overlaps src in memory; pass a separate buffer")
     if num_rows == 0 or hidden == 0:
         return out
 

@@ -36,7 +36,7 @@ import torch
 from planner._checks import is_integer
 from planner.errors import InputError
 from planner.runtime_shim import kernels
-from planner.runtime_shim._data import require_data, require_tensor
+from planner.runtime_shim._data import overlaps, require_data, require_tensor
 
 Backend = Literal["auto", "triton", "torch"]
 BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
@@ -185,7 +185,9 @@ def _differentiable(x: torch.Tensor, out: torch.Tensor | None) -> bool:
     return True
 
 
-def _check_out(out: torch.Tensor | None, shape: tuple[int, int], like: torch.Tensor) -> None:
+def _check_out(
+    out: torch.Tensor | None, shape: tuple[int, int], like: torch.Tensor, like_name: str
+) -> None:
     if out is None:
         return
     require_tensor(out, "out")
@@ -198,6 +200,11 @@ def _check_out(out: torch.Tensor | None, shape: tuple[int, int], like: torch.Ten
         raise InputError(
             f"out must be {shape} {like.dtype} on {like.device}, "
             f"got {tuple(out.shape)} {out.dtype} on {out.device}"
+        )
+    if overlaps(out, like):  # torch refuses it; the Triton kernel would read rows it wrote
+        raise InputError(
+            f"out overlaps {like_name} in memory; the gather cannot run in place, pass a "
+            "separate buffer"
         )
 
 
@@ -223,7 +230,7 @@ def apply_rebatch(
             f"got shape {tuple(hidden.shape)}"
         )
     shape = (info.padded_rows, hidden.shape[1])
-    _check_out(out, shape, hidden)
+    _check_out(out, shape, hidden, "hidden")
     index = info.slot_to_token.to(hidden.device)
     if _differentiable(hidden, out):
         padding = (index < 0).unsqueeze(1)
@@ -304,7 +311,7 @@ def resume(
             f"(E={info.ep_size}, C={info.chunk_rows}), got shape {tuple(shuffled.shape)}"
         )
     shape = (info.num_tokens, shuffled.shape[1])
-    _check_out(out, shape, shuffled)
+    _check_out(out, shape, shuffled, "shuffled")
     index = info.token_to_slot.to(shuffled.device)
     differentiable = _differentiable(shuffled, out)  # refuses out= with grad, either path
     if _use_triton(shuffled, backend) and not differentiable:

@@ -94,6 +94,11 @@ def check_validation() -> None:
         "strided columns": lambda: kernels.gather_rows(src.t(), torch.tensor([0])),
         "wrong out shape": lambda: kernels.gather_rows(src, torch.tensor([0]), torch.zeros(2, 3)),
         "block not power of two": lambda: kernels.gather_rows(src, torch.tensor([0]), block_cols=6),
+        # out overlapping src: programs read rows others already overwrote (silently wrong
+        # with several programs; on a GPU they run in parallel)
+        "out is src": lambda: kernels.gather_rows(src, torch.tensor([3, 2, 1, 0]), src),
+        "out inside src": lambda: kernels.gather_rows(src, torch.tensor([3, 2]), src[1:3]),
+        "rebatch into hidden": lambda: rebatch(src, torch.tensor([1, 0, 1, 0]), 2, out=src),
     }
     for what, call in bad_calls.items():
         try:

@@ -234,3 +234,19 @@ def test_out_must_be_a_tensor():
         )
     with pytest.raises(InputError, match="out= cannot be used with a tensor that requires grad"):
         resume(shuffled, info, out=torch.zeros(2, 2, requires_grad=True))
+
+
+def test_out_overlapping_the_input_is_refused():
+    # torch's RuntimeError "unsupported operation: some elements of the input tensor and the
+    # written-to tensor refer to a single memory location" before (the Triton path wrote
+    # rows that other programs still had to read: a silently wrong answer)
+    x = torch.arange(8.0).reshape(4, 2)
+    devices = torch.tensor([1, 0, 1, 0])  # E * C == T: out can have x's shape
+    with pytest.raises(InputError, match="out overlaps hidden in memory"):
+        rebatch(x, devices, 2, out=x)
+    shuffled, info = rebatch(x, devices, 2)
+    with pytest.raises(InputError, match="out overlaps shuffled in memory"):
+        resume(shuffled, info, out=shuffled)
+    wide = torch.cat([x, torch.zeros(4, 2)], 1)  # disjoint halves of one storage are fine
+    rebatch(wide[:, :2], devices, 2, out=wide[:, 2:])
+    assert torch.equal(wide[:, 2:], shuffled)
