@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 
@@ -70,7 +70,10 @@ def _layers(tables: Any, layer: LayerSpec) -> list[int]:
     elif is_integer(layer):
         layers = [layer]
     else:
-        layers = list(layer) if isinstance(layer, Iterable) and not isinstance(layer, str) else []
+        try:
+            layers = [] if isinstance(layer, str) else list(cast(Iterable[Any], layer))
+        except TypeError:  # not iterable, or a 0-d array / tensor
+            layers = []
     if not layers or any(not is_integer(i) or not 0 <= i < big_l for i in layers):
         raise InputError(f"layer={layer!r} must be MoE layer(s) in [0, {big_l}), or None for all")
     return [int(i) for i in layers]

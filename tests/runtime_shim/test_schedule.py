@@ -181,3 +181,13 @@ def test_meta_request_is_refused():
 
     with pytest.raises(InputError, match="a request is on the meta device"):
         schedule_requests([torch.zeros(2, dtype=torch.long, device="meta")], split_tables(), 2)
+
+
+def test_layer_that_cannot_be_iterated_is_an_input_error():
+    import torch
+
+    tables = split_tables()
+    # 0-d arrays and tensors were TypeErrors "iteration over a 0-d array / tensor"
+    for layer in (np.array(0), torch.tensor(0)):
+        with pytest.raises(InputError, match="must be MoE layer.s. in"):
+            schedule_requests([[0]], tables, dp_size=2, layer=layer)
