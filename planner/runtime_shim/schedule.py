@@ -46,6 +46,10 @@ def _np(x: Any) -> np.ndarray:
 def _request_ids(requests: Iterable[Any]) -> list[np.ndarray]:
     """Each request as a 1-D array of token ids (a bare id is not a request: ``[0, 1, 2]``
     is three requests only if each is a sequence)."""
+    if not isinstance(requests, Iterable):
+        raise InputError(
+            f"requests must be an iterable of token-id sequences, got {type(requests).__name__}"
+        )
     out = []
     for i, r in enumerate(requests):
         try:

@@ -191,3 +191,10 @@ def test_layer_that_cannot_be_iterated_is_an_input_error():
     for layer in (np.array(0), torch.tensor(0)):
         with pytest.raises(InputError, match="must be MoE layer.s. in"):
             schedule_requests([[0]], tables, dp_size=2, layer=layer)
+
+
+def test_requests_must_be_iterable():
+    # TypeError "'NoneType' object is not iterable" (naming no argument) before
+    for requests in (None, 5):
+        with pytest.raises(InputError, match="requests must be an iterable of token-id seq"):
+            schedule_requests(requests, split_tables(), dp_size=2)
