@@ -293,6 +293,8 @@ def apply_expert_placement(
         moe_layer_indices = (manifest if isinstance(manifest, dict) else {}).get(
             "moe_layer_indices"
         ) or sorted(by_index)
+    if isinstance(moe_layer_indices, np.ndarray | torch.Tensor) and moe_layer_indices.ndim == 1:
+        moe_layer_indices = moe_layer_indices.tolist()  # floats and bools are refused below
     if (
         not isinstance(moe_layer_indices, Sequence)
         or isinstance(moe_layer_indices, str)

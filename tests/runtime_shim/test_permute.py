@@ -295,3 +295,17 @@ def test_module_list_experts_are_reordered():
     ids = [id(m) for m in experts]
     _reorder_module_list(experts, [2, 0, 3, 1])
     assert [id(m) for m in experts] == [ids[2], ids[0], ids[3], ids[1]]
+
+
+def test_moe_layer_indices_may_be_an_array_or_tensor():
+    # both were refused as "moe_layer_indices must be a list of integers, got array([3, 1])"
+    perm = np.stack([np.roll(np.arange(N_EXPERTS), 1), np.arange(N_EXPERTS)])
+    for indices in (np.array([3, 1]), torch.tensor([3, 1])):
+        model = fresh_qwen3()
+        w3 = model.base_model.layers[3].mlp.gate.weight.clone()
+        apply_expert_placement(model, make_tables(perm, EP_SIZE), moe_layer_indices=indices)
+        want = w3[torch.from_numpy(perm[0])]
+        assert torch.equal(model.base_model.layers[3].mlp.gate.weight, want)
+    for bad in (np.array([3.0, 1.0]), np.array([[3, 1]]), torch.tensor([True, False])):
+        with pytest.raises(InputError, match="moe_layer_indices must be a list of integers"):
+            apply_expert_placement(fresh_qwen3(), make_tables(perm, EP_SIZE), bad)
