@@ -99,7 +99,8 @@ def gather_rows(
         out: [R, H].
 
     Raises:
-        InputError: triton is missing, or a tensor has the wrong shape, dtype, device or layout.
+        InputError: triton is missing, a tensor has the wrong shape, dtype, device or layout,
+            ``out`` overlaps ``src``, or ``src`` requires grad (grad mode on).
     """
     if not HAS_TRITON:
         raise InputError("gather_rows needs triton, which is not importable; use backend='torch'")
@@ -107,6 +108,11 @@ def gather_rows(
         raise InputError(f"src must be [S, H], got shape {tuple(src.shape)}")
     require_data(src, "src")
     require_data(index, "index")
+    if src.requires_grad and torch.is_grad_enabled():
+        raise InputError(
+            "src requires grad but the Triton gather has no backward; use rebatch / resume "
+            "(they take torch's differentiable gather), or call it under torch.no_grad()"
+        )
     if index.ndim != 1 or index.dtype != torch.int64:
         raise InputError(
             f"index must be a 1-D int64 tensor, got shape {tuple(index.shape)} dtype {index.dtype}"
