@@ -35,10 +35,10 @@ Weighting = Literal["confidence", "count"]
 LayerSpec = int | Sequence[int] | None
 
 
-def _np(x: Any) -> np.ndarray:
+def _np(x: Any, name: str = "a request") -> np.ndarray:
     """A tensor or array as numpy (tables may live on an accelerator)."""
     if hasattr(x, "detach"):
-        require_data(x, "a request")
+        require_data(x, name)
         return x.detach().cpu().numpy()
     return np.asarray(x)
 
@@ -106,9 +106,13 @@ class _TokenScorer:
             raise InputError(f"weighting must be 'confidence' or 'count', got {weighting!r}")
         self.ep = int(tables.ep_size)
         self.vocab = int(tables.vocab_size)
-        self.device = _np(tables.token_to_device)[layers].astype(np.int64)  # [L', V]
+        self.device = _np(tables.token_to_device, "tables.token_to_device")[layers].astype(
+            np.int64
+        )  # [L', V]
         if weighting == "confidence":
-            self.weight = _np(tables.token_confidence)[layers].astype(np.float64)
+            self.weight = _np(tables.token_confidence, "tables.token_confidence")[layers].astype(
+                np.float64
+            )
         else:
             self.weight = np.ones(self.device.shape)
 
@@ -270,7 +274,9 @@ def _workload_from_trace(
             f"trace's {meta.model!r} (fingerprint {meta.fingerprint()}: name, L, N, k, V)"
         )
     e = scorer.ep
-    expert_to_device = _np(tables.expert_to_device).astype(np.int64)  # [L, N]
+    expert_to_device = _np(tables.expert_to_device, "tables.expert_to_device").astype(
+        np.int64
+    )  # [L, N]
     layer_idx = np.arange(meta.num_layers)[None, :, None]
     index_of: dict[int, int] = {}  # request id -> arrival index (first appearance)
     parts = []  # per batch: (arrival index [U], tokens [U], scores [U, E], hits [U, E])

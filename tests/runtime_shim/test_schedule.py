@@ -198,3 +198,12 @@ def test_requests_must_be_iterable():
     for requests in (None, 5):
         with pytest.raises(InputError, match="requests must be an iterable of token-id seq"):
             schedule_requests(requests, split_tables(), dp_size=2)
+
+
+def test_meta_tables_are_named_in_the_error():
+    import dataclasses
+
+    tables = split_tables()
+    meta = dataclasses.replace(tables, token_to_device=tables.token_to_device.to("meta"))
+    with pytest.raises(InputError, match="tables.token_to_device is on the meta device"):
+        schedule_requests([[0]], meta, dp_size=2)  # was 'a request is on the meta device'
