@@ -151,7 +151,8 @@ def assign_with_capacity(
 
     Args:
         device: [T] or [R, T] int device ids in [0, num_devices).
-        confidence: same shape, floats (finite).
+        confidence: same shape, numbers; NaN is refused (it has no place in the order),
+            +inf / -inf rank above / below every finite confidence.
         capacity: C, most tokens per device and row; needs T <= C * num_devices.
         num_devices: E.
         second: optional, same shape: each token's second-choice device, -1 for none
@@ -178,6 +179,7 @@ def assign_with_capacity(
     # a capacity of a whole row never binds (and a huge one would overflow int64 below)
     e, c = int(num_devices), min(int(capacity), int(dev.shape[-1]))
     _check_device_ids(dev, e, "device")
+    _check_confidence(conf, "confidence")
     alt = alt_conf = None
     if (second is None) != (second_confidence is None):
         raise InputError("second and second_confidence go together")
@@ -192,6 +194,7 @@ def assign_with_capacity(
                 f"{list(dev.shape)}; got {list(alt.shape)} and {list(alt_conf.shape)}"
             )
         _check_device_ids(alt, e, "second", allow_none=True)
+        _check_confidence(alt_conf, "second_confidence")
         alt, alt_conf = alt.to(torch.int64), alt_conf.float()
     squeeze = dev.dim() == 1
     if squeeze:
@@ -220,6 +223,19 @@ def _check_device_ids(dev: torch.Tensor, e: int, name: str, allow_none: bool = F
     if dev.numel() and (int(dev.min()) < lo_ok or int(dev.max()) >= e):
         bad = int(dev.min()) if int(dev.min()) < lo_ok else int(dev.max())
         raise InputError(f"{name} id {bad} outside [{lo_ok}, {e})")
+
+
+def _check_confidence(conf: torch.Tensor, name: str) -> None:
+    """InputError if ``conf`` holds a NaN: the descending sort put it after every number
+    (a NaN-confident token silently lost its device first). +-inf order as numbers do."""
+    if conf.dtype.is_complex:
+        raise InputError(f"{name} must hold real numbers, got {conf.dtype}")
+    count = int(torch.isnan(conf).sum()) if conf.dtype.is_floating_point else 0
+    if count:
+        raise InputError(
+            f"{name} holds {count} NaN value(s) of {conf.numel()}; confidences must be "
+            "numbers (a NaN has no rank; +-inf are allowed)"
+        )
 
 
 def _rank_in_groups(group: torch.Tensor, by_conf: torch.Tensor, num_groups: int) -> torch.Tensor:

@@ -275,6 +275,25 @@ def test_capacity_refuses_bad_arguments():
     assert out.tolist() == [0, 0, 1]
 
 
+def test_capacity_refuses_nan_confidence():
+    # A NaN sorted after every number: its token silently lost its device first ([1, 0, 0, 1]).
+    dev = np.array([0, 0, 0, 1])
+    with pytest.raises(InputError, match=r"^confidence holds 1 NaN value\(s\) of 4;"):
+        assign_with_capacity(dev, np.array([np.nan, 0.5, 0.9, 0.1]), 2, 2)
+    with pytest.raises(InputError, match=r"^confidence holds"):
+        assign_with_capacity(torch.tensor(dev), torch.tensor([0.5, float("nan")] * 2).half(), 2, 2)
+    second, second_conf = np.array([1, 1, 1, -1]), np.array([np.nan, 0.0, 0.0, 0.0])
+    with pytest.raises(InputError, match=r"^second_confidence holds 1 NaN"):
+        assign_with_capacity(dev, np.full(4, 0.5), 2, 2, second, second_conf)
+    with pytest.raises(InputError, match=r"^confidence must hold real numbers, got torch.compl"):
+        assign_with_capacity(dev, np.full(4, 0.5, complex), 2, 2)
+    # +-inf keep the order: +inf above every number, -inf below (ties by position)
+    conf = np.array([-np.inf, np.inf, 0.9, 0.1])
+    assert assign_with_capacity(dev, conf, 2, 2).tolist() == [1, 0, 0, 1]
+    conf = np.array([np.inf, 0.5, np.inf, 0.1])
+    assert assign_with_capacity(dev, conf, 2, 2).tolist() == [0, 1, 0, 1]
+
+
 def test_balanced_capacity_is_exact():
     assert balanced_capacity(4096, 8) == 564  # ceil(563.2)
     assert balanced_capacity(80, 8) == 11  # 1.1 * 80 / 8 is exactly 11
