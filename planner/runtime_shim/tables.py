@@ -512,6 +512,10 @@ def _to_device(x: torch.Tensor, device: torch.device | str | None) -> torch.Tens
 
 def load_bundle(path: str | os.PathLike, device: torch.device | str | None = None) -> PlanTables:
     """Read and validate the bundle at ``path`` (see :func:`load_bundle_arrays`) onto ``device``."""
+    if not isinstance(path, str | os.PathLike):  # None, an int: Path()'s raw TypeError
+        raise InputError(
+            f"bundle {path!r}: not a path (a bundle is a directory; pass a str or os.PathLike)"
+        )
     bundle = load_bundle_arrays(path)
     manifest = json.loads((Path(path) / MANIFEST_FILE).read_text())  # as validated above
     return PlanTables.from_bundle(bundle, device, manifest)

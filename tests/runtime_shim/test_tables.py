@@ -495,3 +495,14 @@ def test_tables_cannot_live_on_the_meta_device(tmp_path):
         load_bundle(path, device="meta")
     with pytest.raises(InputError, match="cannot put the plan tables on device"):
         load_bundle(path).to(torch.device("meta"))
+
+
+def test_load_bundle_refuses_a_path_that_is_not_a_path(tmp_path):
+    # None was Python's TypeError "expected str, bytes or os.PathLike object, not NoneType"
+    with pytest.raises(InputError, match="bundle None: not a path"):
+        load_bundle(None)
+    for bad in (3, b"/tmp"):
+        with pytest.raises(InputError, match=f"bundle {bad!r}: not a path"):
+            load_bundle(bad)
+    with pytest.raises(InputError, match="no such directory"):  # as other bad paths
+        load_bundle(tmp_path / "missing")
