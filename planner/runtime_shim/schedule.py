@@ -43,12 +43,12 @@ def _np(x: Any, name: str = "a request") -> np.ndarray:
     return np.asarray(x)
 
 
-def _request_ids(requests: Iterable[Any]) -> list[np.ndarray]:
+def _request_ids(requests: Iterable[Any], name: str = "requests") -> list[np.ndarray]:
     """Each request as a 1-D array of token ids (a bare id is not a request: ``[0, 1, 2]``
-    is three requests only if each is a sequence)."""
+    is three requests only if each is a sequence); ``name`` is the argument's in errors."""
     if not isinstance(requests, Iterable):
         raise InputError(
-            f"requests must be an iterable of token-id sequences, got {type(requests).__name__}"
+            f"{name} must be an iterable of token-id sequences, got {type(requests).__name__}"
         )
     out = []
     for i, r in enumerate(requests):
@@ -59,7 +59,7 @@ def _request_ids(requests: Iterable[Any]) -> list[np.ndarray]:
         if ids is None or ids.ndim != 1:
             shape = "ragged" if ids is None else f"shape {ids.shape}"
             raise InputError(
-                f"requests[{i}] must be a 1-D sequence of token ids, got {shape}; pass a "
+                f"{name}[{i}] must be a 1-D sequence of token ids, got {shape}; pass a "
                 "list of requests, one sequence each"
             )
         out.append(ids)
@@ -250,8 +250,8 @@ class _Workload:
     activations: int  # T * L * k over the trace, the LAR denominator
 
 
-def _workload_from_sequences(requests: Iterable[Any], scorer: _TokenScorer) -> _Workload:
-    seqs = _request_ids(requests)
+def _workload_from_sequences(source: Iterable[Any], scorer: _TokenScorer) -> _Workload:
+    seqs = _request_ids(source, "source")  # evaluate_schedule's argument
     scores = np.stack([scorer(s).sum(axis=0) for s in seqs]) if seqs else np.zeros((0, scorer.ep))
     tokens = np.array([s.size for s in seqs], dtype=np.int64)
     return _Workload(scores, tokens, None, 0)
@@ -341,8 +341,13 @@ def evaluate_schedule(
         source = open_trace(source)
     if isinstance(source, Trace):
         work = _workload_from_trace(source, tables, scorer, batch_rows)
-    else:
+    elif isinstance(source, Iterable):
         work = _workload_from_sequences(source, scorer)
+    else:  # None, an int: was named 'requests', an argument evaluate_schedule does not have
+        raise InputError(
+            "source must be a trace (a path or an opened Trace) or an iterable of token-id "
+            f"sequences, got {type(source).__name__}"
+        )
     assign = schedule_by_scores(work.scores)
     rr = round_robin(assign.size, dp_size)
 

@@ -169,8 +169,8 @@ def test_each_request_must_be_one_sequence_of_token_ids():
         schedule_requests([[0], [[5, 6], [7, 8]]], tables, dp_size=2)
     with pytest.raises(InputError, match=r"requests\[0\] must be a 1-D sequence.*ragged"):
         schedule_requests([[[0, 1], [2]]], tables, dp_size=2)  # numpy's ValueError before
-    with pytest.raises(InputError, match=r"requests\[0\] must be a 1-D sequence"):
-        evaluate_schedule([3, 4], tables, dp_size=2)
+    with pytest.raises(InputError, match=r"source\[0\] must be a 1-D sequence"):
+        evaluate_schedule([3, 4], tables, dp_size=2)  # its argument is source
     # Iterating a [R, S] array or tensor gives R one-dimensional requests: fine.
     assert schedule_requests(np.array([[0, 1], [5, 6]]), tables, dp_size=2).tolist() == [0, 1]
     assert schedule_requests([[], [5]], tables, dp_size=2).tolist() == [0, 1]
@@ -198,6 +198,13 @@ def test_requests_must_be_iterable():
     for requests in (None, 5):
         with pytest.raises(InputError, match="requests must be an iterable of token-id seq"):
             schedule_requests(requests, split_tables(), dp_size=2)
+
+
+def test_evaluate_schedule_names_its_source_argument():
+    # 'requests must be an iterable ...' before: evaluate_schedule has no such argument
+    for source in (None, 5):
+        with pytest.raises(InputError, match=r"^source must be a trace \(a path or an opened Tr"):
+            evaluate_schedule(source, split_tables(), dp_size=2)
 
 
 def test_meta_tables_are_named_in_the_error():
