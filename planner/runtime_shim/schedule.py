@@ -80,7 +80,13 @@ def _layers(tables: Any, layer: LayerSpec) -> list[int]:
             layers = []
     if not layers or any(not is_integer(i) or not 0 <= i < big_l for i in layers):
         raise InputError(f"layer={layer!r} must be MoE layer(s) in [0, {big_l}), or None for all")
-    return [int(i) for i in layers]
+    out = [int(i) for i in layers]
+    seen: set[int] = set()
+    for i in out:  # [1, 1] summed layer 1's table twice: the schedule weighted it double
+        if i in seen:
+            raise InputError(f"layer={layer!r} names MoE layer {i} twice; pass each layer once")
+        seen.add(i)
+    return out
 
 
 def _check_dp(tables: Any, dp_size: int) -> int:
@@ -141,7 +147,8 @@ def request_device_scores(
     Args:
         requests: R sequences of token ids (arrays, lists or tensors; -1 = unknown).
         tables: PlanTables (``token_to_device`` [L, V], ``token_confidence`` [L, V], ``ep_size``).
-        layer: MoE layer(s) whose token table is used; None for all layers (summed).
+        layer: MoE layer(s) whose token table is used, each at most once; None for all
+            layers (summed).
         weighting: "confidence" (each token adds its table confidence) or "count" (adds 1).
 
     Returns:

@@ -207,6 +207,21 @@ def test_evaluate_schedule_names_its_source_argument():
             evaluate_schedule(source, split_tables(), dp_size=2)
 
 
+def test_a_layer_named_twice_is_refused():
+    # [0, 0, 1] summed layer 0's table twice (and reported layers=(0, 0, 1)): the schedule
+    # weighted one layer double without saying so
+    tables = split_tables(num_layers=2)
+    for call in (
+        lambda layer: evaluate_schedule([[0, 1], [5]], tables, dp_size=2, layer=layer),
+        lambda layer: schedule_requests([[0, 1], [5]], tables, dp_size=2, layer=layer),
+        lambda layer: request_device_scores([[0, 1], [5]], tables, layer=layer),
+    ):
+        for layer in ([0, 0, 1], (1, np.int64(1)), np.array([1, 1])):
+            with pytest.raises(InputError, match=r"names MoE layer [01] twice; pass each layer"):
+                call(layer)
+    assert evaluate_schedule([[0, 1], [5]], tables, dp_size=2, layer=[1, 0]).layers == (1, 0)
+
+
 def test_meta_tables_are_named_in_the_error():
     import dataclasses
 
