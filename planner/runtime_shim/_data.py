@@ -28,6 +28,13 @@ def require_tensor(x: Any, name: str) -> None:
     require_data(x, name)
 
 
+def unwrap_id(value: int, dtype: torch.dtype) -> int:
+    """The true value of an id of a ``dtype`` tensor read back after its cast to int64: a
+    uint64 id >= 2**63 wraps to a negative int64 (and torch has no min / max for uint64),
+    so an error would otherwise name a negative id the caller never passed."""
+    return value + 2**64 if dtype == torch.uint64 and value < 0 else value
+
+
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` may share memory (an out= buffer and the gather's input).
 

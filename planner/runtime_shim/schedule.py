@@ -126,10 +126,13 @@ class _TokenScorer:
         ids = np.asarray(_np(token_ids))
         if ids.size and ids.dtype.kind not in "iu":
             raise InputError(f"token ids must be integers, got dtype {ids.dtype}")
-        ids = ids.astype(np.int64).reshape(-1)
-        if ids.size and (ids.max() >= self.vocab or ids.min() < -1):
-            bad = ids.max() if ids.max() >= self.vocab else ids.min()
-            raise InputError(f"token id {bad} outside [-1, {self.vocab}) (vocab_size)")
+        ids = ids.reshape(-1)
+        if ids.size:  # checked before the cast: a uint64 >= 2**63 wrapped (2**64 - 1 to -1)
+            lo, hi = int(ids.min()), int(ids.max())
+            if hi >= self.vocab or lo < -1:
+                bad = hi if hi >= self.vocab else lo
+                raise InputError(f"token id {bad} outside [-1, {self.vocab}) (vocab_size)")
+        ids = ids.astype(np.int64)
         known = ids >= 0  # -1: unknown token, scores nothing
         rows = np.flatnonzero(known)
         dev = self.device[:, ids[known]]  # [L', T']

@@ -50,7 +50,7 @@ from planner.export.bundle import (
     load_bundle_arrays,
     ngram_row_index,
 )
-from planner.runtime_shim._data import require_data
+from planner.runtime_shim._data import require_data, unwrap_id
 
 DEFAULT_SLACK = 1.1  # DESIGN.md balanced LAR: at most ceil(1.1 * B / E) tokens per device
 
@@ -486,7 +486,7 @@ class PlanTables:
         if validate and ids.numel():
             lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= self.vocab_size:
-                bad = lo if lo < 0 else hi
+                bad = unwrap_id(lo if lo < 0 else hi, token_ids.dtype)
                 raise InputError(f"token id {bad} outside [0, {self.vocab_size}) (vocab_size)")
             if prev is not None and prev.numel():
                 lo, hi = int(prev.min()), int(prev.max())

@@ -222,6 +222,19 @@ def test_a_layer_named_twice_is_refused():
     assert evaluate_schedule([[0, 1], [5]], tables, dp_size=2, layer=[1, 0]).layers == (1, 0)
 
 
+def test_uint64_token_ids_are_reported_with_their_true_value():
+    # The cast to int64 wrapped them: 2**63 + 5 was reported as -9223372036854775803, and
+    # 2**64 - 1 became -1, the unknown token, and was scheduled without a word
+    tables = split_tables()
+    for ids in ([2**63 + 5], [3, 2**63 + 5], [2**64 - 1]):
+        bad = max(ids)
+        with pytest.raises(InputError, match=rf"^token id {bad} outside \[-1, 10\)"):
+            schedule_requests([np.array(ids, np.uint64)], tables, dp_size=2)
+        with pytest.raises(InputError, match=rf"^token id {bad} outside"):
+            evaluate_schedule([np.array(ids, np.uint64)], tables, dp_size=2)
+    assert schedule_requests([np.array([7], np.uint64)], tables, dp_size=2).tolist() == [1]
+
+
 def test_meta_tables_are_named_in_the_error():
     import dataclasses
 

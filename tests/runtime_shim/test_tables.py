@@ -471,6 +471,17 @@ def test_route_refuses_meta_tensors(tables):
         assign_with_capacity(ids.to("meta"), torch.ones(2, device="meta"), 2, 4)
 
 
+def test_route_reports_uint64_token_ids_with_their_true_value(tables):
+    # The cast to int64 wrapped them: 2**63 + 5 was reported as -9223372036854775803
+    for ids in ([2**63 + 5], [3, 2**63 + 5], [2**64 - 1]):
+        bad = max(ids)
+        with pytest.raises(InputError, match=rf"^token id {bad} outside \[0, 20\)"):
+            tables.route(torch.tensor(ids, dtype=torch.uint64), 0)
+    assert tables.route(torch.tensor([3, 5], dtype=torch.uint64), 0).tolist() == (
+        tables.route(torch.tensor([3, 5]), 0).tolist()
+    )
+
+
 def test_online_choice_refuses_arguments_of_different_shapes():
     # A [T] token table against a [T, 1] n-gram table broadcast silently to [T, T].
     dev, conf = np.array([0, 1, 2]), np.full(3, 0.5)
