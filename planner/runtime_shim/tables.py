@@ -396,7 +396,14 @@ class PlanTables:
         """Device each token is sent to before MoE layer ``layer``'s gate (Algorithm 2).
 
         Args:
-            token_ids: [T] int token ids in [0, V).
+            token_ids: [T] int token ids in [0, V). Id -1 is refused, unlike in the
+                evaluator: a trace marks an unknown token id with -1 (DESIGN.md, trace
+                schema v1), and :func:`planner.evaluate.metrics.evaluate_bundle` sends such
+                a token to its vanilla device (its request's contiguous chunk, from its
+                position) with token confidence 0, the n-gram table still able to overrule.
+                DESIGN.md says nothing of -1 at run time, and ``route`` does not know a
+                token's position in its request, so a caller with unknown ids places them
+                itself (route the known ones, and put the rest where the evaluator does).
             layer: MoE layer index in [0, L).
             prev_top1_experts: [T, n] logical top-1 experts of each token at MoE layers
                 l-n .. l-1 (most recent last), or None. Used only when ``layer >= n``;
