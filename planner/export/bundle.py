@@ -652,14 +652,24 @@ def _read_bundle_dir(path: Path) -> tuple[dict[str, Any], TraceMeta, dict[str, n
     return manifest, meta, tables
 
 
+def bundle_path(path: Any) -> Path:
+    """``path`` as a Path; InputError for what is not a path at all (None, an int, bytes),
+    which ``Path()`` refuses with a raw TypeError."""
+    if not isinstance(path, str | os.PathLike):
+        raise InputError(
+            f"bundle {path!r}: not a path (a bundle is a directory; pass a str or os.PathLike)"
+        )
+    return Path(path)
+
+
 def load_bundle_arrays(path: str | os.PathLike) -> Bundle:
     """Read and fully validate the bundle directory at ``path``.
 
     Raises:
-        InputError: ``path`` is not a directory.
+        InputError: ``path`` is not a directory (or not a path).
         SchemaError: anything about its content is wrong (one line saying what).
     """
-    p = Path(path)
+    p = bundle_path(path)
     manifest, meta, tables = _read_bundle_dir(p)
     try:
         return Bundle(
@@ -693,9 +703,10 @@ def verify_bundle(path: str | os.PathLike) -> dict[str, Any]:
 
     ``ok`` is False with ``error`` set when the bundle cannot be read (missing files,
     sha256, dtype, shape or range problems); per-layer placement problems are listed in
-    ``layers`` and also make ``ok`` False.
+    ``layers`` and also make ``ok`` False. A ``path`` that is not a path at all (None, an
+    int) is the caller's mistake, not a bad bundle: InputError.
     """
-    p = Path(path)
+    p = bundle_path(path)
     report: dict[str, Any] = {"ok": False, "path": str(p), "error": None}
     try:
         manifest, meta, tables = _read_bundle_dir(p)

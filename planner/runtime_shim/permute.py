@@ -39,7 +39,7 @@ from torch import nn
 from planner._checks import is_integer
 from planner.errors import InputError, MismatchError, ModelError
 from planner.profile.routers import ADAPTERS, find_routers
-from planner.runtime_shim._data import require_data
+from planner.runtime_shim._data import require_data, unwrap_id
 
 EXPERTS_ATTR = "experts"  # attribute of every supported MoE block holding the experts
 APPLIED_ATTR = "moeplan_expert_permutation"  # set on the model once a placement is applied
@@ -379,7 +379,7 @@ def physical_to_logical(expert_ids: torch.Tensor, expert_permutation: torch.Tens
     require_data(ids, "expert_ids")
     if not _holds_integers(ids):
         raise InputError(f"expert_ids must hold integers, got {ids.dtype}")
-    ids = ids.to(device=perm.device, dtype=torch.int64)
+    dtype, ids = ids.dtype, ids.to(device=perm.device, dtype=torch.int64)
     if ids.ndim != 3 or ids.shape[1] != perm.shape[0]:
         raise InputError(
             f"expert_ids must be [T, L, k] with L={perm.shape[0]}, got {tuple(ids.shape)}"
@@ -388,6 +388,7 @@ def physical_to_logical(expert_ids: torch.Tensor, expert_permutation: torch.Tens
     if ids.numel():  # a negative id would wrap to the last slots, a large one IndexError
         lo, hi = (int(v) for v in ids.aminmax())
         if lo < 0 or hi >= n:
-            raise InputError(f"expert id {lo if lo < 0 else hi} outside [0, {n}) (physical slots)")
+            bad = unwrap_id(lo if lo < 0 else hi, dtype)
+            raise InputError(f"expert id {bad} outside [0, {n}) (physical slots)")
     layer = torch.arange(perm.shape[0], device=perm.device)[None, :, None]
     return perm[layer, ids]

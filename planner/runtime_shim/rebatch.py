@@ -36,7 +36,7 @@ import torch
 from planner._checks import is_integer
 from planner.errors import InputError
 from planner.runtime_shim import kernels
-from planner.runtime_shim._data import overlaps, require_data, require_tensor
+from planner.runtime_shim._data import overlaps, require_data, require_tensor, unwrap_id
 
 Backend = Literal["auto", "triton", "torch"]
 BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
@@ -111,7 +111,7 @@ def plan_rebatch(devices: torch.Tensor, ep_size: int, chunk_rows: int | None = N
         raise InputError(f"devices must be a 1-D tensor [T], got shape {tuple(devices.shape)}")
     if devices.is_floating_point() or devices.is_complex() or devices.dtype == torch.bool:
         raise InputError(f"devices must hold integers, got dtype {devices.dtype}")
-    devices = devices.to(torch.int64)
+    dtype, devices = devices.dtype, devices.to(torch.int64)
     num_tokens = devices.shape[0]
     counts = torch.zeros(ep_size, dtype=torch.int64, device=devices.device)
     largest = 0
@@ -122,7 +122,7 @@ def plan_rebatch(devices: torch.Tensor, ep_size: int, chunk_rows: int | None = N
         counts.scatter_add_(0, devices.clamp(0, ep_size - 1), torch.ones_like(devices))
         lo, hi, largest = torch.stack([lo, hi, counts.max()]).tolist()
         if lo < 0 or hi >= ep_size:
-            bad = lo if lo < 0 else hi
+            bad = unwrap_id(lo if lo < 0 else hi, dtype)
             raise InputError(f"device id {bad} outside [0, {ep_size}) (ep_size={ep_size})")
     if chunk_rows is None:
         chunk_rows = largest

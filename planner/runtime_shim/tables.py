@@ -220,9 +220,11 @@ def _check_device_ids(dev: torch.Tensor, e: int, name: str, allow_none: bool = F
     if not _holds_integers(dev):
         raise InputError(f"{name} ids must be integers, got {dev.dtype}")
     lo_ok = -1 if allow_none else 0
-    if dev.numel() and (int(dev.min()) < lo_ok or int(dev.max()) >= e):
-        bad = int(dev.min()) if int(dev.min()) < lo_ok else int(dev.max())
-        raise InputError(f"{name} id {bad} outside [{lo_ok}, {e})")
+    if dev.numel():  # through int64: torch has no min / max for uint64
+        lo, hi = (int(v) for v in dev.to(torch.int64).aminmax())
+        if lo < lo_ok or hi >= e:
+            bad = unwrap_id(lo if lo < lo_ok else hi, dev.dtype)
+            raise InputError(f"{name} id {bad} outside [{lo_ok}, {e})")
 
 
 def _check_confidence(conf: torch.Tensor, name: str) -> None:
@@ -496,9 +498,9 @@ class PlanTables:
                 bad = unwrap_id(lo if lo < 0 else hi, token_ids.dtype)
                 raise InputError(f"token id {bad} outside [0, {self.vocab_size}) (vocab_size)")
             if prev is not None and prev.numel():
-                lo, hi = int(prev.min()), int(prev.max())
+                lo, hi = (int(v) for v in prev.to(torch.int64).aminmax())
                 if lo < 0 or hi >= self.num_experts:
-                    bad = lo if lo < 0 else hi
+                    bad = unwrap_id(lo if lo < 0 else hi, prev.dtype)
                     raise InputError(
                         f"prev_top1_experts holds expert {bad}, outside [0, {self.num_experts})"
                     )
@@ -519,10 +521,6 @@ def _to_device(x: torch.Tensor, device: torch.device | str | None) -> torch.Tens
 
 def load_bundle(path: str | os.PathLike, device: torch.device | str | None = None) -> PlanTables:
     """Read and validate the bundle at ``path`` (see :func:`load_bundle_arrays`) onto ``device``."""
-    if not isinstance(path, str | os.PathLike):  # None, an int: Path()'s raw TypeError
-        raise InputError(
-            f"bundle {path!r}: not a path (a bundle is a directory; pass a str or os.PathLike)"
-        )
-    bundle = load_bundle_arrays(path)
+    bundle = load_bundle_arrays(path)  # InputError for None or an int, not Path()'s TypeError
     manifest = json.loads((Path(path) / MANIFEST_FILE).read_text())  # as validated above
     return PlanTables.from_bundle(bundle, device, manifest)

@@ -362,3 +362,11 @@ def test_bundle_for_a_real_model_shape_round_trips(tmp_path):
     e2d = np.stack([rng.permutation(32) % 8 for _ in range(3)])
     bundle = make_bundle(meta, 8, e2d, ngram_order=2, seed=3)
     assert load_bundle_arrays(save_bundle(bundle, tmp_path / "b")) == bundle
+
+
+def test_loading_refuses_what_is_not_a_path():
+    # None was Path()'s raw TypeError "expected str, bytes or os.PathLike object, not NoneType"
+    for read in (load_bundle_arrays, verify_bundle):
+        for bad in (None, 3, b"/tmp"):
+            with pytest.raises(InputError, match=f"bundle {bad!r}: not a path"):
+                read(bad)

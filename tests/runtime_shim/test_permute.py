@@ -309,3 +309,10 @@ def test_moe_layer_indices_may_be_an_array_or_tensor():
     for bad in (np.array([3.0, 1.0]), np.array([[3, 1]]), torch.tensor([True, False])):
         with pytest.raises(InputError, match="moe_layer_indices must be a list of integers"):
             apply_expert_placement(fresh_qwen3(), make_tables(perm, EP_SIZE), bad)
+
+
+def test_physical_to_logical_names_a_uint64_id_by_its_true_value():
+    perm = torch.tensor([[2, 0, 1], [1, 2, 0]])
+    ids = torch.full((1, 2, 2), 2**63 + 2, dtype=torch.uint64)  # was reported as -2**63 + 2
+    with pytest.raises(InputError, match=rf"expert id {2**63 + 2} outside \[0, 3\)"):
+        physical_to_logical(ids, perm)

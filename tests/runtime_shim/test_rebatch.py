@@ -250,3 +250,10 @@ def test_out_overlapping_the_input_is_refused():
     wide = torch.cat([x, torch.zeros(4, 2)], 1)  # disjoint halves of one storage are fine
     rebatch(wide[:, :2], devices, 2, out=wide[:, 2:])
     assert torch.equal(wide[:, 2:], shuffled)
+
+
+def test_plan_rebatch_names_a_uint64_device_id_by_its_true_value():
+    devices = torch.tensor([0, 2**63 + 1], dtype=torch.uint64)  # was reported as -2**63 + 1
+    with pytest.raises(InputError, match=rf"device id {2**63 + 1} outside \[0, 2\)"):
+        plan_rebatch(devices, 2)
+    assert plan_rebatch(torch.tensor([1, 0], dtype=torch.uint64), 2).counts.tolist() == [1, 1]

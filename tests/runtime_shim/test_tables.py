@@ -482,6 +482,21 @@ def test_route_reports_uint64_token_ids_with_their_true_value(tables):
     )
 
 
+def test_uint64_device_and_expert_ids_are_checked_with_their_true_value(tables):
+    # torch has no min / max for uint64: valid ids were torch's NotImplementedError 'min_all'
+    dev, conf = torch.tensor([1, 0], dtype=torch.uint64), torch.ones(2)
+    assert assign_with_capacity(dev, conf, 2, 4).tolist() == [1, 0]
+    with pytest.raises(InputError, match=rf"^device id {2**63 + 1} outside \[0, 4\)"):
+        assign_with_capacity(torch.tensor([2**63 + 1, 0], dtype=torch.uint64), conf, 2, 4)
+    n, e = tables.ngram_order, tables.num_experts
+    prev = torch.zeros((2, n), dtype=torch.uint64)
+    ids, layer = torch.tensor([3, 5]), tables.num_layers - 1
+    assert tables.route(ids, layer, prev).tolist() == tables.route(ids, layer, prev.long()).tolist()
+    prev = torch.tensor([[0] * n, [2**64 - 1] + [0] * (n - 1)], dtype=torch.uint64)
+    with pytest.raises(InputError, match=rf"expert {2**64 - 1}, outside \[0, {e}\)"):
+        tables.route(ids, layer, prev)
+
+
 def test_online_choice_refuses_arguments_of_different_shapes():
     # A [T] token table against a [T, 1] n-gram table broadcast silently to [T, T].
     dev, conf = np.array([0, 1, 2]), np.full(3, 0.5)
