@@ -654,11 +654,13 @@ def _read_bundle_dir(path: Path) -> tuple[dict[str, Any], TraceMeta, dict[str, n
 
 def bundle_path(path: Any) -> Path:
     """``path`` as a Path; InputError for what is not a path at all (None, an int, bytes),
-    which ``Path()`` refuses with a raw TypeError."""
+    which ``Path()`` refuses with a raw TypeError, and for "" (which it reads as ".")."""
     if not isinstance(path, str | os.PathLike):
         raise InputError(
             f"bundle {path!r}: not a path (a bundle is a directory; pass a str or os.PathLike)"
         )
+    if os.fspath(path) in ("", b""):  # Path("") is the working directory
+        raise InputError("bundle path is empty; pass the bundle's directory")
     return Path(path)
 
 

@@ -370,3 +370,5 @@ def test_loading_refuses_what_is_not_a_path():
         for bad in (None, 3, b"/tmp"):
             with pytest.raises(InputError, match=f"bundle {bad!r}: not a path"):
                 read(bad)
+        with pytest.raises(InputError, match="bundle path is empty"):  # was read as "."
+            read("")
