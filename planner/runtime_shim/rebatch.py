@@ -158,6 +158,8 @@ def plan_rebatch(devices: torch.Tensor, ep_size: int, chunk_rows: int | None = N
 
 
 def check_info(info: RebatchInfo) -> None:
+    """InputError unless ``info`` is a :class:`RebatchInfo` (None or another object was an
+    AttributeError deep inside apply_rebatch / resume / shuffled_all_gather)."""
     if not isinstance(info, RebatchInfo):
         raise InputError(
             f"info must be the RebatchInfo rebatch returned, got {type(info).__name__}"
