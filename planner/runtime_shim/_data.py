@@ -28,6 +28,22 @@ def require_tensor(x: Any, name: str) -> None:
     require_data(x, name)
 
 
+def holds_integers(t: torch.Tensor) -> bool:
+    """Whether ``t``'s dtype is an integer one (bool is not: True would be id 1)."""
+    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+
+
+def out_of_range(t: torch.Tensor, lo: int, hi: int, dtype: torch.dtype | None = None) -> int | None:
+    """An id of the integer tensor ``t`` outside [lo, hi) to name in an error, by its true
+    value, or None. ``dtype``: the caller's original dtype where ``t`` is already a cast."""
+    if not t.numel():
+        return None
+    least, most = (int(v) for v in t.to(torch.int64).aminmax())  # torch: no uint64 min / max
+    if least < lo or most >= hi:
+        return unwrap_id(least if least < lo else most, t.dtype if dtype is None else dtype)
+    return None
+
+
 def unwrap_id(value: int, dtype: torch.dtype) -> int:
     """The true value of an id of a ``dtype`` tensor read back after its cast to int64: a
     uint64 id >= 2**63 wraps to a negative int64 (and torch has no min / max for uint64),

@@ -39,7 +39,7 @@ from torch import nn
 from planner._checks import is_integer
 from planner.errors import InputError, MismatchError, ModelError
 from planner.profile.routers import ADAPTERS, find_routers
-from planner.runtime_shim._data import require_data, unwrap_id
+from planner.runtime_shim._data import holds_integers, out_of_range, require_data
 
 EXPERTS_ATTR = "experts"  # attribute of every supported MoE block holding the experts
 APPLIED_ATTR = "moeplan_expert_permutation"  # set on the model once a placement is applied
@@ -277,7 +277,7 @@ def apply_expert_placement(
         )
     perm_t = torch.as_tensor(source)
     require_data(perm_t, "tables.expert_permutation")
-    if perm_t.is_floating_point() or perm_t.is_complex() or perm_t.dtype == torch.bool:
+    if not holds_integers(perm_t):
         raise InputError(f"tables.expert_permutation must hold integers, got {perm_t.dtype}")
     perm_t = perm_t.to(torch.int64).cpu()
     if perm_t.ndim != 2:
@@ -350,10 +350,6 @@ def apply_expert_placement(
     return model
 
 
-def _holds_integers(t: torch.Tensor) -> bool:
-    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
-
-
 def physical_to_logical(expert_ids: torch.Tensor, expert_permutation: torch.Tensor) -> torch.Tensor:
     """Map expert ids emitted by a permuted model back to logical ids.
 
@@ -369,7 +365,7 @@ def physical_to_logical(expert_ids: torch.Tensor, expert_permutation: torch.Tens
     """
     perm = torch.as_tensor(expert_permutation)
     require_data(perm, "expert_permutation")
-    if perm.ndim != 2 or not _holds_integers(perm):
+    if perm.ndim != 2 or not holds_integers(perm):
         raise InputError(
             f"expert_permutation must be an integer [L, N] tensor, got {tuple(perm.shape)} "
             f"{perm.dtype}"
@@ -377,7 +373,7 @@ def physical_to_logical(expert_ids: torch.Tensor, expert_permutation: torch.Tens
     perm = perm.to(torch.int64)
     ids = torch.as_tensor(expert_ids)
     require_data(ids, "expert_ids")
-    if not _holds_integers(ids):
+    if not holds_integers(ids):
         raise InputError(f"expert_ids must hold integers, got {ids.dtype}")
     dtype, ids = ids.dtype, ids.to(device=perm.device, dtype=torch.int64)
     if ids.ndim != 3 or ids.shape[1] != perm.shape[0]:
@@ -385,10 +381,8 @@ def physical_to_logical(expert_ids: torch.Tensor, expert_permutation: torch.Tens
             f"expert_ids must be [T, L, k] with L={perm.shape[0]}, got {tuple(ids.shape)}"
         )
     n = perm.shape[1]
-    if ids.numel():  # a negative id would wrap to the last slots, a large one IndexError
-        lo, hi = (int(v) for v in ids.aminmax())
-        if lo < 0 or hi >= n:
-            bad = unwrap_id(lo if lo < 0 else hi, dtype)
-            raise InputError(f"expert id {bad} outside [0, {n}) (physical slots)")
+    bad = out_of_range(ids, 0, n, dtype)  # -1 would wrap to the last slot, n be an IndexError
+    if bad is not None:
+        raise InputError(f"expert id {bad} outside [0, {n}) (physical slots)")
     layer = torch.arange(perm.shape[0], device=perm.device)[None, :, None]
     return perm[layer, ids]

@@ -36,7 +36,13 @@ import torch
 from planner._checks import is_integer
 from planner.errors import InputError
 from planner.runtime_shim import kernels
-from planner.runtime_shim._data import overlaps, require_data, require_tensor, unwrap_id
+from planner.runtime_shim._data import (
+    holds_integers,
+    overlaps,
+    require_data,
+    require_tensor,
+    unwrap_id,
+)
 
 Backend = Literal["auto", "triton", "torch"]
 BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
@@ -109,7 +115,7 @@ def plan_rebatch(devices: torch.Tensor, ep_size: int, chunk_rows: int | None = N
     require_data(devices, "devices")
     if devices.ndim != 1:
         raise InputError(f"devices must be a 1-D tensor [T], got shape {tuple(devices.shape)}")
-    if devices.is_floating_point() or devices.is_complex() or devices.dtype == torch.bool:
+    if not holds_integers(devices):
         raise InputError(f"devices must hold integers, got dtype {devices.dtype}")
     dtype, devices = devices.dtype, devices.to(torch.int64)
     num_tokens = devices.shape[0]

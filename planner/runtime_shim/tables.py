@@ -50,7 +50,7 @@ from planner.export.bundle import (
     load_bundle_arrays,
     ngram_row_index,
 )
-from planner.runtime_shim._data import require_data, unwrap_id
+from planner.runtime_shim._data import holds_integers, out_of_range, require_data
 
 DEFAULT_SLACK = 1.1  # DESIGN.md balanced LAR: at most ceil(1.1 * B / E) tokens per device
 
@@ -212,19 +212,13 @@ def assign_with_capacity(
     return _back(out[0] if squeeze else out, to_np)
 
 
-def _holds_integers(t: torch.Tensor) -> bool:
-    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
-
-
 def _check_device_ids(dev: torch.Tensor, e: int, name: str, allow_none: bool = False) -> None:
-    if not _holds_integers(dev):
+    if not holds_integers(dev):
         raise InputError(f"{name} ids must be integers, got {dev.dtype}")
     lo_ok = -1 if allow_none else 0
-    if dev.numel():  # through int64: torch has no min / max for uint64
-        lo, hi = (int(v) for v in dev.to(torch.int64).aminmax())
-        if lo < lo_ok or hi >= e:
-            bad = unwrap_id(lo if lo < lo_ok else hi, dev.dtype)
-            raise InputError(f"{name} id {bad} outside [{lo_ok}, {e})")
+    bad = out_of_range(dev, lo_ok, e)
+    if bad is not None:
+        raise InputError(f"{name} id {bad} outside [{lo_ok}, {e})")
 
 
 def _check_confidence(conf: torch.Tensor, name: str) -> None:
@@ -480,7 +474,7 @@ class PlanTables:
             raise InputError(f"layer={layer!r} outside [0, {self.num_layers}) MoE layers")
         if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1:
             raise InputError("token_ids must be a 1-D integer tensor [T]")
-        if not _holds_integers(token_ids):
+        if not holds_integers(token_ids):
             raise InputError(f"token_ids must hold integers, got {token_ids.dtype}")
         require_data(token_ids, "token_ids")
         ids = token_ids.to(device=self.device, dtype=torch.int64)
@@ -489,21 +483,18 @@ class PlanTables:
             if not isinstance(prev, torch.Tensor) or tuple(prev.shape) != want:
                 got = list(prev.shape) if isinstance(prev, torch.Tensor) else type(prev).__name__
                 raise InputError(f"prev_top1_experts must be [T, n] = {list(want)}, got {got}")
-            if not _holds_integers(prev):
+            if not holds_integers(prev):
                 raise InputError(f"prev_top1_experts must hold integers, got {prev.dtype}")
             require_data(prev, "prev_top1_experts")
         if validate and ids.numel():
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= self.vocab_size:
-                bad = unwrap_id(lo if lo < 0 else hi, token_ids.dtype)
+            bad = out_of_range(ids, 0, self.vocab_size, token_ids.dtype)
+            if bad is not None:
                 raise InputError(f"token id {bad} outside [0, {self.vocab_size}) (vocab_size)")
-            if prev is not None and prev.numel():
-                lo, hi = (int(v) for v in prev.to(torch.int64).aminmax())
-                if lo < 0 or hi >= self.num_experts:
-                    bad = unwrap_id(lo if lo < 0 else hi, prev.dtype)
-                    raise InputError(
-                        f"prev_top1_experts holds expert {bad}, outside [0, {self.num_experts})"
-                    )
+            bad = None if prev is None else out_of_range(prev, 0, self.num_experts)
+            if bad is not None:
+                raise InputError(
+                    f"prev_top1_experts holds expert {bad}, outside [0, {self.num_experts})"
+                )
         return ids
 
 
