@@ -176,6 +176,7 @@ def run_case(
         "ceo_over_best_baseline": rows["ceo"]["lar_balanced"] / rows[best]["lar_balanced"],
         "ceo_over_best_baseline_ci90": rows["ceo"]["ratio_ci90"],
         "heldout_requests": result["requests"],
+        "unseen_tokens": result["unseen_tokens"],
         "oracle_bound": result["oracle_bound"],
     }
 

@@ -273,6 +273,17 @@ def compare(
             "methods differ only in their token tables"
         )
     console.print(comparison_table(result, f"held-out {heldout}, EP {ep}", note))
+    unseen = result["unseen_tokens"]
+    if unseen["shifted"]:
+        err_console.print(
+            f"note: {unseen['heldout']:.1%} of the held-out token occurrences are tokens the "
+            f"predictor never saw, where traffic like its fitting trace would have about "
+            f"{unseen['expected']:.1%}: this trace is unlike the one the plans were fitted on "
+            "(another domain?), and plans carry over worse to such traffic, CEO's most "
+            "(benchmarks/RESULTS.md, 'Domain shift'). Profile on traffic like what you will "
+            "serve; failing that, compare the methods on it and deploy the one that holds up",
+            soft_wrap=True,
+        )
 
 
 def comparison_table(result: dict, title: str, note: str | None = None) -> Table:
@@ -301,6 +312,12 @@ def comparison_table(result: dict, title: str, note: str | None = None) -> Table
             f"{result['requests']} held-out requests"
             if (best := result["best_baseline"]) is not None
             else "no baseline among the methods, so no ratio"
+        )
+        + (
+            f"; held-out occurrences of tokens unseen in fitting {u['heldout']:.1%} "
+            f"({u['expected']:.1%} expected)"
+            if (u := result.get("unseen_tokens")) is not None
+            else ""
         )
         + (f"; {note}" if note else "")
     )

@@ -11,6 +11,7 @@ from planner.errors import InputError
 from planner.evaluate.metrics import EvalConfig, evaluate_bundle
 from planner.export.api import bundle_from_plan
 from planner.predict.predictor import Predictor
+from planner.predict.reliability import unseen_share
 from planner.solve.pipeline import PlanConfig, make_plan
 from planner.trace.io import Trace
 
@@ -18,6 +19,15 @@ BASELINES = ("metis", "kmeans", "alternating", "ilp", "vanilla")
 # Resamples of the paired bootstrap behind ``ratio_ci90``; fixed seed, so reruns agree.
 BOOTSTRAP_RESAMPLES = 2000
 BOOTSTRAP_SEED = 0
+# The held-out trace is flagged as unlike the fitting traffic (``unseen_tokens``) when its
+# share of occurrences of tokens never seen in fitting is at least SHIFT_RATIO times the
+# Good-Turing estimate from the fitting counts and SHIFT_MARGIN above it. Measured held out by
+# request: the example 0.068 against 0.037-0.039 expected (1.8x), FLAME-MoE 0.38-0.40
+# against 0.34, the synthetic DeepSeek-V3 and Qwen3 shapes 0.19-0.20 against 0.20; held out by
+# domain: the example 0.097-0.265 against 0.021-0.025 (4-12x), the synthetic shapes 0.49-0.56
+# against 0.15-0.17 (2.8-3.5x).
+SHIFT_RATIO = 2.5
+SHIFT_MARGIN = 0.05
 
 
 def ratio_interval(
@@ -55,6 +65,29 @@ def ratio_interval(
     return float(low), float(high)
 
 
+def unseen_tokens(predictor: Predictor, trace: Trace) -> dict:
+    """How much of ``trace`` the predictor's token table has never seen, against what the
+    fitting counts lead one to expect.
+
+    Returns ``{"heldout": share, "expected": share, "shifted": bool}``: ``heldout`` is the
+    share of the trace's token occurrences (known ids) whose token never occurred in fitting;
+    ``expected`` the Good-Turing estimate of that share for new traffic like the fitting
+    traffic (:func:`planner.predict.reliability.unseen_share`); ``shifted`` says the trace is
+    unlike the fitting traffic (:data:`SHIFT_RATIO`, :data:`SHIFT_MARGIN`): plans then carry
+    over worse for every method, CEO's most (benchmarks/RESULTS.md, "Domain shift").
+    """
+    aff = predictor.affinity
+    unseen = known = 0
+    for batch in trace.iter_batches(weights=False):
+        ids = batch.token_id[batch.token_id >= 0]
+        known += ids.size
+        unseen += int(np.count_nonzero(~aff.seen_[ids]))
+    heldout = unseen / known if known else 0.0
+    expected = unseen_share(aff.token_counts_[aff.seen_])
+    shifted = heldout >= SHIFT_RATIO * expected and heldout >= expected + SHIFT_MARGIN
+    return {"heldout": round(heldout, 4), "expected": round(expected, 4), "shifted": shifted}
+
+
 def compare_methods(
     predictor: Predictor,
     heldout: Trace,
@@ -73,7 +106,8 @@ def compare_methods(
     the objective) or only on new requests (generalisation).
 
     Returns ``{"rows": [...], "oracle_bound": float, "lar_vanilla": float,
-    "best_baseline": name | None, "requests": R}``; each row carries ``gap_to_bound``
+    "best_baseline": name | None, "requests": R, "unseen_tokens": {...}}`` (the last from
+    :func:`unseen_tokens`); each row carries ``gap_to_bound``
     (bound - balanced LAR), and when a baseline ran ``ratio_to_best_baseline`` with
     ``ratio_ci90``, its 90% paired-bootstrap interval over the R held-out requests
     (:func:`ratio_interval`; None for the best baseline itself or with one request).
@@ -145,4 +179,5 @@ def compare_methods(
         "best_baseline": None if best is None else best["method"],
         "ep_size": config.ep_size,
         "requests": len(next(iter(per_request.values()), ())),
+        "unseen_tokens": unseen_tokens(predictor, heldout),
     }

@@ -341,6 +341,45 @@ class PlanTables:
     vocab_size: int
     manifest: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        """Shapes, dtypes and devices of tables built by hand (:func:`load_bundle` and
+        :meth:`from_bundle` pass validated bundles). Only metadata is read, so no host sync;
+        the tables' values are checked by :func:`planner.export.bundle.verify_bundle`."""
+        sizes = (self.ep_size, self.ngram_order, self.num_layers, self.num_experts)
+        names = ("ep_size", "ngram_order", "num_layers", "num_experts", "vocab_size")
+        for name, value in zip(names, (*sizes, self.vocab_size), strict=True):
+            if not is_integer(value) or int(value) < 1:
+                raise InputError(f"PlanTables: {name}={value!r} must be a positive integer")
+        if self.num_experts % self.ep_size:
+            raise InputError(
+                f"PlanTables: num_experts={self.num_experts} is not divisible by "
+                f"ep_size={self.ep_size}"
+            )
+        cols = {
+            "experts": self.num_experts,
+            "vocab": self.vocab_size,
+            "ngram": int(self.ep_size) ** int(self.ngram_order),
+        }
+        device = None
+        for name, (dtype, kind) in TENSORS.items():
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor):
+                raise InputError(
+                    f"PlanTables: {name} must be a torch.Tensor, got {type(t).__name__}"
+                )
+            require_data(t, f"PlanTables.{name}")
+            want_dtype = torch.int16 if dtype.kind == "i" else torch.float16
+            if t.dtype != want_dtype:
+                raise InputError(f"PlanTables: {name} is {t.dtype}, expected {want_dtype}")
+            want = (int(self.num_layers), cols[kind])
+            if tuple(t.shape) != want:
+                raise InputError(
+                    f"PlanTables: {name} has shape {list(t.shape)}, expected {list(want)}"
+                )
+            if device is not None and t.device != device:
+                raise InputError(f"PlanTables: {name} is on {t.device}, the others on {device}")
+            device = t.device
+
     @classmethod
     def from_bundle(
         cls,

@@ -130,6 +130,30 @@ def test_load_bundle_keeps_tables_exact(tmp_path):
             load_bundle(tmp_path / "b", device="cuda")
 
 
+def test_hand_built_tables_are_checked_as_they_are_built():
+    import dataclasses
+
+    tables = hand_tables()
+    bad = [
+        ({"token_to_device": tables.token_to_device.long()}, "token_to_device is torch.int64"),
+        (
+            {"token_confidence": tables.token_confidence[:, :3]},
+            r"shape \[2, 3\], expected \[2, 4\]",
+        ),
+        ({"ngram_to_device": tables.ngram_to_device.numpy()}, "must be a torch.Tensor"),
+        ({"ngram_order": 2}, r"ngram_to_device has shape \[2, 2\], expected \[2, 4\]"),
+        ({"ep_size": 3}, "not divisible by ep_size=3"),
+        ({"vocab_size": 0}, "vocab_size=0 must be a positive integer"),
+        ({"expert_to_device": tables.expert_to_device.to("meta")}, "on the meta device"),
+    ]
+    for change, message in bad:
+        with pytest.raises(InputError, match=message):
+            dataclasses.replace(tables, **change)
+    assert dataclasses.replace(tables, manifest={"note": 1}).route(
+        torch.tensor([1]), 0
+    ).tolist() == [1]
+
+
 # ---------------------------------------------------------------------------------------
 # Golden cases
 

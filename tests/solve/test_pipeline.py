@@ -10,10 +10,11 @@ import pytest
 from planner.cli.main import main
 from planner.errors import InputError, MismatchError
 from planner.evaluate import evaluate_bundle
-from planner.evaluate.compare import compare_methods
+from planner.evaluate.compare import compare_methods, unseen_tokens
 from planner.export import bundle_from_plan, load_tables
 from planner.predict.fit import FitConfig, fit_predictor
-from planner.predict.split import RequestSplit, split_trace
+from planner.predict.reliability import unseen_share
+from planner.predict.split import RequestSplit, split_trace, split_trace_by_domain
 from planner.solve.pipeline import PlanConfig, make_plan
 from planner.solve.plan import Plan
 from planner.solve.problem import SolverConfig
@@ -104,6 +105,34 @@ def test_compare_rows_and_ratios(pipeline):
         low, high = rows[name]["ratio_ci90"]
         assert low <= rows[name]["ratio_to_best_baseline"] <= high
     assert rows["vanilla"]["ratio_ci90"][1] < 1  # vanilla is worse on every resample
+
+
+def test_unseen_tokens_flags_traffic_unlike_the_fitting_trace(pipeline, tmp_path, capsys):
+    d, trace, _, predictor = pipeline
+    seen = predictor.affinity.seen_
+    expected = unseen_share(predictor.affinity.token_counts_[seen])
+    # by request: a few new tokens, about as many as the fitting counts predict
+    held = open_trace(d / "held").read_all().token_id
+    by_request = unseen_tokens(predictor, open_trace(d / "held"))
+    assert by_request["heldout"] == pytest.approx(float(np.mean(~seen[held])), abs=1e-4)
+    assert by_request["expected"] == pytest.approx(expected, abs=1e-4)
+    assert 0 < by_request["heldout"] < 0.05 and not by_request["shifted"]
+    assert unseen_tokens(predictor, open_trace(d / "fit"))["heldout"] == 0.0
+    # a whole domain held out: its own tokens were never seen, and the trace is flagged
+    split_trace_by_domain(trace, tmp_path / "fit", tmp_path / "held", ["0"])
+    other = fit_predictor(tmp_path / "fit", FitConfig()).predictor
+    shifted = unseen_tokens(other, open_trace(tmp_path / "held"))
+    assert shifted["heldout"] > 0.2 > 0.05 > shifted["expected"] and shifted["shifted"]
+    result = compare_methods(
+        other, open_trace(tmp_path / "held"), ["vanilla"], PlanConfig(ep_size=4)
+    )
+    assert result["unseen_tokens"] == shifted
+    # the CLI says so under the table, in one note
+    other.save(tmp_path / "pred")
+    capsys.readouterr()
+    args = ["compare", str(tmp_path / "pred"), str(tmp_path / "held"), "--ep", "4"]
+    assert main([*args, "--methods", "vanilla"]) == 0
+    assert "tokens the predictor never saw" in capsys.readouterr().err
 
 
 def test_errors(pipeline):
