@@ -80,3 +80,20 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
             shift = (b_lo - a_lo) % row
             return shift < width_a or shift + width_b > row
     return True
+
+
+# Integer dtypes of each element size: rows are moved as bits, whatever the float format.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bit_view(x: torch.Tensor) -> torch.Tensor:
+    """``x`` viewed as same-size integers (shape and strides kept) when it is floating.
+
+    A gather copies bits, so moving a float tensor's rows as integers is exact (NaN payloads
+    and -0.0 included) and works for every float format: fp8, which CPU torch cannot
+    index_fill or index_select and Triton's interpreter cannot load, as much as fp32.
+    Zero bits are +0.0 in every IEEE and fp8 format, so padding rows stay zero.
+    """
+    if x.is_floating_point():
+        return x.view(_BITS[x.element_size()])
+    return x

@@ -18,7 +18,7 @@ import os
 import torch
 
 from planner.errors import InputError
-from planner.runtime_shim._data import overlaps, require_data
+from planner.runtime_shim._data import bit_view, overlaps, require_data
 
 try:
     import triton
@@ -86,7 +86,8 @@ def gather_rows(
     """Row gather on the Triton kernel: ``out[i] = src[index[i]]``, zeros where ``index[i] < 0``.
 
     Args:
-        src: [S, H] floating tensor, rows contiguous (column stride 1).
+        src: [S, H] floating tensor (fp8 to fp64; the kernel moves each element's bits),
+            rows contiguous (column stride 1).
         index: [R] int64 on the same device; entries in [-1, S), -1 marks padding.
         out: optional [R, H] tensor of src's dtype and device, rows contiguous, to write into.
         check_index: verify the index range (one device sync). Callers that built the
@@ -160,9 +161,9 @@ def gather_rows(
         raise InputError(f"block_rows must be a power of two, got {block_rows}")
     grid = (triton.cdiv(num_rows, block_rows), triton.cdiv(hidden, block_cols))
     _gather_rows_kernel[grid](
-        src,
+        bit_view(src),  # bits, not floats: fp8 as well as fp32 (see bit_view)
         index,
-        out,
+        bit_view(out),
         num_rows,
         hidden,
         src.stride(0),

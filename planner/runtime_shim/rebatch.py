@@ -37,6 +37,7 @@ from planner._checks import is_integer
 from planner.errors import InputError
 from planner.runtime_shim import kernels
 from planner.runtime_shim._data import (
+    bit_view,
     holds_integers,
     overlaps,
     require_data,
@@ -249,14 +250,16 @@ def apply_rebatch(
     if out is None:
         out = torch.empty(shape, dtype=hidden.dtype, device=hidden.device)
     if info.num_tokens == 0:
-        return out.zero_()
+        bit_view(out).zero_()
+        return out
     # One gather for every slot (padding slots read row 0), then one fill of the padding
     # rows: far cheaper than zero-filling all of out first, and a single parallel op
     # rather than one per device (each costs a thread wake-up on a busy machine).
-    padding = index < 0
-    torch.index_select(hidden, 0, index.masked_fill(padding, 0), out=out)
+    # Rows move as bits (bit_view): exact, and fp8 too, which CPU torch cannot index.
+    padding, bits = index < 0, bit_view(out)
+    torch.index_select(bit_view(hidden), 0, index.masked_fill(padding, 0), out=bits)
     if info.padded_rows > info.num_tokens:
-        out.index_fill_(0, padding.nonzero().squeeze(1), 0)
+        bits.index_fill_(0, padding.nonzero().squeeze(1), 0)
     return out
 
 
@@ -324,6 +327,9 @@ def resume(
     differentiable = _differentiable(shuffled, out)  # refuses out= with grad, either path
     if _use_triton(shuffled, backend) and not differentiable:
         return kernels.gather_rows(shuffled.contiguous(), index, out, check_index=False)
-    if out is None:
+    if differentiable:
         return shuffled.index_select(0, index)
-    return torch.index_select(shuffled, 0, index, out=out)
+    if out is None:
+        out = torch.empty(shape, dtype=shuffled.dtype, device=shuffled.device)
+    torch.index_select(bit_view(shuffled), 0, index, out=bit_view(out))  # as in apply_rebatch
+    return out

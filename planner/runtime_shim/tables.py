@@ -445,7 +445,11 @@ class PlanTables:
                 otherwise (or when None) the token table alone decides.
             max_tokens_per_device: optional capacity C over these T tokens (see
                 :func:`assign_with_capacity`; :func:`balanced_capacity` gives DESIGN.md's).
-            validate: check id ranges (costs a host sync on an accelerator).
+            validate: check id ranges (costs a host sync on an accelerator). With
+                ``validate=False`` ids are used as torch indices, unchecked: an id of -1
+                reads the last row (token V-1) on the CPU, and an id past the table is an
+                index error there or undefined behaviour in a CUDA kernel; pass it only for
+                ids already known to lie in range.
 
         Returns:
             [T] int64 device ids in [0, E), on the tables' device.

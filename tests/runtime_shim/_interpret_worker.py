@@ -83,6 +83,30 @@ for _dt in DTYPES:
 CASES["single_row_fp32"] = (check_rebatch, ("fp32", "random", 1, 3, 2))
 
 
+def check_fp8(dtype: torch.dtype) -> None:
+    """fp8 rows (fp8 dispatch, as DeepSeek-V3 serving uses): the interpreter cannot load fp8
+    as floats, so the kernel moves bits; compared bit for bit (CPU torch has no fp8 equal)."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn((203, 37), generator=g).to(dtype)
+    devices = torch.randint(0, 4, (203,), generator=g)
+    want, info = rebatch(x, devices, 4, backend="torch")
+    got, info_t = rebatch(x, devices, 4, backend="triton")
+    assert got.dtype == dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    back = resume(got, info_t, backend="triton")
+    assert back.dtype == dtype and torch.equal(back.view(torch.uint8), x.view(torch.uint8))
+    index = torch.randint(-1, 203, (45,), generator=g)
+    got = kernels.gather_rows(x, index, block_rows=BLOCK_ROWS, block_cols=BLOCK_COLS)
+    bits = x.view(torch.uint8)
+    zero = torch.zeros((), dtype=torch.uint8)
+    assert torch.equal(
+        got.view(torch.uint8), torch.where((index >= 0)[:, None], bits[index.clamp(min=0)], zero)
+    )
+
+
+CASES["fp8_e4m3"] = (check_fp8, (torch.float8_e4m3fn,))
+CASES["fp8_e5m2"] = (check_fp8, (torch.float8_e5m2,))
+
+
 def check_validation() -> None:
     from planner.errors import InputError
 

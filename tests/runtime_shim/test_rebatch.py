@@ -93,6 +93,27 @@ def test_numpy_devices_and_int16_are_accepted():
     assert torch.equal(resume(shuffled, info), x)
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float32])
+def test_rows_move_bit_for_bit_fp8_included(dtype):
+    # fp8 hidden states (fp8 dispatch) failed in torch's index_fill / index_select on the CPU
+    bits = {1: torch.uint8, 4: torch.int32}[torch.empty((), dtype=dtype).element_size()]
+    x = torch.randn(9, 5).to(dtype)
+    raw = x.view(bits)
+    raw[0, 0] = raw[0, 0] | (1 << (torch.iinfo(bits).bits - 1))  # a sign bit set: -x or -0.0
+    if dtype == torch.float32:
+        raw[1, 1] = 0x7FC0_1234  # a NaN with a payload
+    devices = torch.tensor([2, 0, 2, 1, 1, 0, 2, 0, 1])
+    out = torch.empty(3 * 4, 5, dtype=dtype)
+    shuffled, info = rebatch(x, devices, 3, chunk_rows=4, out=out)
+    assert shuffled is out and shuffled.dtype == dtype
+    assert torch.equal(shuffled.view(bits)[info.slot_to_token < 0], torch.zeros(3, 5, dtype=bits))
+    assert torch.equal(resume(shuffled, info).view(bits), raw)
+    back = torch.empty_like(x)
+    assert resume(shuffled, info, out=back) is back and torch.equal(back.view(bits), raw)
+    empty, _ = rebatch(x[:0], devices[:0], 3, chunk_rows=2)
+    assert torch.equal(empty.view(bits), torch.zeros(6, 5, dtype=bits))
+
+
 def test_empty_batch():
     shuffled, info = rebatch(torch.zeros(0, 3), torch.zeros(0, dtype=torch.int64), 4)
     assert shuffled.shape == (0, 3)
