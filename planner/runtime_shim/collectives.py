@@ -152,6 +152,11 @@ def shuffled_reduce_scatter(
         )
     if verify_devices:
         _verify_same_devices(devices, group)
+    if x.is_floating_point() and x.element_size() == 1 and dist.get_backend(group) == "gloo":
+        raise InputError(
+            f"gloo cannot sum {x.dtype} rows (it has no fp8); reduce the partial sums in "
+            "bf16 or fp32 and cast after"
+        )
     info = plan_rebatch(devices, world, chunk_rows)
     c = info.chunk_rows
     local = torch.empty((c, x.shape[1]), dtype=x.dtype, device=x.device)
@@ -175,6 +180,13 @@ def shuffled_reduce_scatter(
     dist.all_reduce(shuffled, group=group)
     local.copy_(shuffled[rank * c : (rank + 1) * c])
     return local, info
+
+
+def _wire(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the all-gather sends it: fp8 as its bytes (the gather moves rows, not sums,
+    so that is exact, and gloo has no fp8), every other dtype as it is (gloo has no int16,
+    so wider floats keep their own dtype)."""
+    return x.view(torch.uint8) if x.is_floating_point() and x.element_size() == 1 else x
 
 
 def shuffled_all_gather(
@@ -215,14 +227,15 @@ def shuffled_all_gather(
     )
     name = str(dist.get_backend(group))
     done = False
+    bits_out, bits_in = _wire(gathered), _wire(local_rows)
     if name not in _NO_NATIVE_ALL_GATHER:
         try:
-            _all_gather_single(gathered, local_rows, group=group)
+            _all_gather_single(bits_out, bits_in, group=group)
             done = True
         except (RuntimeError, NotImplementedError) as err:
             if not _unsupported(err):
                 raise
             _NO_NATIVE_ALL_GATHER.add(name)
     if not done:
-        dist.all_gather(list(gathered.chunk(world)), local_rows, group=group)
+        dist.all_gather(list(bits_out.chunk(world)), bits_in, group=group)
     return resume(gathered, info.to(local_rows.device), backend=backend)

@@ -107,6 +107,38 @@ def check_mismatch(rank: int) -> None:
         raise AssertionError(f"verify_devices=True did not raise MismatchError for {devices}")
 
 
+def check_sag_fp8(rank: int) -> None:
+    """SAG is pure data movement, so fp8 chunks (fp8 combine) gather bit for bit."""
+    from planner.runtime_shim.collectives import shuffled_all_gather
+    from planner.runtime_shim.rebatch import plan_rebatch
+
+    devices = [0, 2, 2, 1, 3, 0, 2, 1, 1, 0, 3]
+    info = plan_rebatch(torch.tensor(devices), WORLD)
+    g = torch.Generator().manual_seed(40 + rank)
+    local = torch.randn((info.chunk_rows, 5), generator=g).to(torch.float8_e4m3fn)
+    bits = local.view(torch.uint8)
+    parts = [torch.empty_like(bits) for _ in range(WORLD)]
+    dist.all_gather(parts, bits)
+    seen = [0] * WORLD
+    want = torch.empty((len(devices), 5), dtype=torch.uint8)
+    for t, d in enumerate(devices):
+        want[t] = parts[d][seen[d]]
+        seen[d] += 1
+    got = shuffled_all_gather(local, info)
+    assert got.dtype == torch.float8_e4m3fn, got.dtype
+    assert torch.equal(got.view(torch.uint8), want), f"fp8 SAG rows differ on rank {rank}"
+    # the reduce-scatter sums, which gloo cannot do in fp8: one line, before any collective
+    from planner.errors import InputError
+    from planner.runtime_shim.collectives import shuffled_reduce_scatter
+
+    try:
+        shuffled_reduce_scatter(local[:3], torch.tensor([0, 1, 2]))
+    except InputError as e:
+        assert "gloo cannot sum" in str(e), e
+    else:
+        raise AssertionError("fp8 reduce-scatter on gloo: no InputError")
+
+
 def run_rank(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -119,6 +151,7 @@ def run_rank(rank: int, port: int, out_dir: str) -> None:
     results: dict[str, str] = {}
     checks = [(name, lambda n=name: check_case(n, rank)) for name in CASES]
     checks.append(("verify_devices_mismatch", lambda: check_mismatch(rank)))
+    checks.append(("sag_fp8", lambda: check_sag_fp8(rank)))
     for name, fn in checks:
         try:
             fn()
