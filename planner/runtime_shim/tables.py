@@ -45,6 +45,7 @@ from planner._checks import is_integer, is_real
 from planner.errors import InfeasibleError, InputError
 from planner.export.bundle import (
     MANIFEST_FILE,
+    MAX_NGRAM_COLUMNS,
     TENSORS,
     Bundle,
     load_bundle_arrays,
@@ -345,21 +346,21 @@ class PlanTables:
         """Shapes, dtypes and devices of tables built by hand (:func:`load_bundle` and
         :meth:`from_bundle` pass validated bundles). Only metadata is read, so no host sync;
         the tables' values are checked by :func:`planner.export.bundle.verify_bundle`."""
-        sizes = (self.ep_size, self.ngram_order, self.num_layers, self.num_experts)
-        names = ("ep_size", "ngram_order", "num_layers", "num_experts", "vocab_size")
-        for name, value in zip(names, (*sizes, self.vocab_size), strict=True):
+        for name in ("ep_size", "ngram_order", "num_layers", "num_experts", "vocab_size"):
+            value = getattr(self, name)
             if not is_integer(value) or int(value) < 1:
                 raise InputError(f"PlanTables: {name}={value!r} must be a positive integer")
-        if self.num_experts % self.ep_size:
+        e, n = int(self.ep_size), int(self.ngram_order)
+        if self.num_experts % e:
             raise InputError(
-                f"PlanTables: num_experts={self.num_experts} is not divisible by "
-                f"ep_size={self.ep_size}"
+                f"PlanTables: num_experts={self.num_experts} is not divisible by ep_size={e}"
             )
-        cols = {
-            "experts": self.num_experts,
-            "vocab": self.vocab_size,
-            "ngram": int(self.ep_size) ** int(self.ngram_order),
-        }
+        if n * math.log2(max(e, 2)) > math.log2(MAX_NGRAM_COLUMNS):  # before computing E**n
+            raise InputError(
+                f"PlanTables: ep_size**ngram_order = {e}**{n} n-gram columns is too many "
+                f"(limit {MAX_NGRAM_COLUMNS})"
+            )
+        cols = {"experts": self.num_experts, "vocab": self.vocab_size, "ngram": e**n}
         device = None
         for name, (dtype, kind) in TENSORS.items():
             t = getattr(self, name)

@@ -144,6 +144,7 @@ def test_hand_built_tables_are_checked_as_they_are_built():
         ({"ngram_order": 2}, r"ngram_to_device has shape \[2, 2\], expected \[2, 4\]"),
         ({"ep_size": 3}, "not divisible by ep_size=3"),
         ({"vocab_size": 0}, "vocab_size=0 must be a positive integer"),
+        ({"ngram_order": 10**12}, "n-gram columns is too many"),  # refused before 2**(1e12)
         ({"expert_to_device": tables.expert_to_device.to("meta")}, "on the meta device"),
     ]
     for change, message in bad:
