@@ -98,7 +98,9 @@ EP 16 1.044 -> 1.037, the rest level or up). The baselines' figures do not move:
 (and the chain polish) reads the batches. Given to the example fitted without embeddings
 (unplaced 0.037, 18 cases) it cost 0.1% of the mean ratio (1.0158 -> 1.0146) and one loss
 inside its interval (0.998): a small share's batch mix is only estimated, as for u above,
-hence the threshold, chosen between those two measurements and not tested apart from them.
+hence the threshold. Near it (DeepSeek-shaped traces with fewer singletons, 4 cases each) the
+share gained CEO 0.65% at 0.13, 0.47% at 0.10 and 0.18% at 0.07 on average, mixed case by
+case at 0.07 (benchmarks/RESULTS.md).
 With embeddings (the example: unplaced 0) and on FLAME-MoE (u >= 0.99 above its unplaced
 0.34) plans are as before.
 
