@@ -316,7 +316,7 @@ def comparison_table(result: dict, title: str, note: str | None = None) -> Table
         + (
             f"; held-out occurrences of tokens unseen in fitting {u['heldout']:.1%} "
             f"({u['expected']:.1%} expected)"
-            if (u := result.get("unseen_tokens")) is not None
+            if (u := result.get("unseen_tokens")) and None not in (u["heldout"], u["expected"])
             else ""
         )
         + (f"; {note}" if note else "")

@@ -75,6 +75,8 @@ def unseen_tokens(predictor: Predictor, trace: Trace) -> dict:
     traffic (:func:`planner.predict.reliability.unseen_share`); ``shifted`` says the trace is
     unlike the fitting traffic (:data:`SHIFT_RATIO`, :data:`SHIFT_MARGIN`): plans then carry
     over worse for every method, CEO's most (benchmarks/RESULTS.md, "Domain shift").
+    A share that cannot be measured is None (no known token id in the trace, or none in
+    fitting), and then ``shifted`` is False.
     """
     aff = predictor.affinity
     unseen = known = 0
@@ -82,10 +84,15 @@ def unseen_tokens(predictor: Predictor, trace: Trace) -> dict:
         ids = batch.token_id[batch.token_id >= 0]
         known += ids.size
         unseen += int(np.count_nonzero(~aff.seen_[ids]))
-    heldout = unseen / known if known else 0.0
-    expected = unseen_share(aff.token_counts_[aff.seen_])
-    shifted = heldout >= SHIFT_RATIO * expected and heldout >= expected + SHIFT_MARGIN
-    return {"heldout": round(heldout, 4), "expected": round(expected, 4), "shifted": shifted}
+    heldout = round(unseen / known, 4) if known else None
+    expected = round(unseen_share(aff.token_counts_[aff.seen_]), 4) if aff.seen_.any() else None
+    shifted = (
+        heldout is not None
+        and expected is not None
+        and heldout >= SHIFT_RATIO * expected
+        and heldout >= expected + SHIFT_MARGIN
+    )
+    return {"heldout": heldout, "expected": expected, "shifted": shifted}
 
 
 def compare_methods(

@@ -92,7 +92,8 @@ def bit_view(x: torch.Tensor) -> torch.Tensor:
     A gather copies bits, so moving a float tensor's rows as integers is exact (NaN payloads
     and -0.0 included) and works for every float format: fp8, which CPU torch cannot
     index_fill or index_select and Triton's interpreter cannot load, as much as fp32.
-    Zero bits are +0.0 in every IEEE and fp8 format, so padding rows stay zero.
+    Padding rows are zero bits: +0.0 in the IEEE formats and fp8 e4m3 / e5m2 (in e8m0, a
+    scale format with no zero, they read 2**-127).
     """
     if x.is_floating_point():
         return x.view(_BITS[x.element_size()])

@@ -152,7 +152,7 @@ def shuffled_reduce_scatter(
         )
     if verify_devices:
         _verify_same_devices(devices, group)
-    if x.is_floating_point() and x.element_size() == 1 and dist.get_backend(group) == "gloo":
+    if x.is_floating_point() and x.element_size() == 1 and _backend_for(x, group) == "gloo":
         raise InputError(
             f"gloo cannot sum {x.dtype} rows (it has no fp8); reduce the partial sums in "
             "bf16 or fp32 and cast after"
@@ -180,6 +180,20 @@ def shuffled_reduce_scatter(
     dist.all_reduce(shuffled, group=group)
     local.copy_(shuffled[rank * c : (rank + 1) * c])
     return local, info
+
+
+def _backend_for(x: torch.Tensor, group) -> str:
+    """The backend that carries ``x``'s device type in ``group``: a group may name one
+    ("gloo"), one per device type ("cpu:gloo,cuda:nccl", the default on a CUDA build), or
+    none ("undefined", when ``init_process_group`` was given no backend: gloo for CPU
+    tensors, nccl for CUDA ones)."""
+    name = str(dist.get_backend(group))
+    if ":" in name:
+        pairs = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
+        return pairs.get(x.device.type, name)
+    if name == "undefined":
+        return "gloo" if x.device.type == "cpu" else "nccl"
+    return name
 
 
 def _wire(x: torch.Tensor) -> torch.Tensor:

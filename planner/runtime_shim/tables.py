@@ -355,7 +355,8 @@ class PlanTables:
             raise InputError(
                 f"PlanTables: num_experts={self.num_experts} is not divisible by ep_size={e}"
             )
-        if n * math.log2(max(e, 2)) > math.log2(MAX_NGRAM_COLUMNS):  # before computing E**n
+        most = MAX_NGRAM_COLUMNS.bit_length() - 1  # the largest n with 2**n columns allowed
+        if e > 1 and (n > most or e**n > MAX_NGRAM_COLUMNS):  # n first: E**n may be huge
             raise InputError(
                 f"PlanTables: ep_size**ngram_order = {e}**{n} n-gram columns is too many "
                 f"(limit {MAX_NGRAM_COLUMNS})"

@@ -107,3 +107,24 @@ def test_tensors_that_require_grad_are_refused_before_any_collective():
             shuffled_reduce_scatter(x, torch.tensor([0, 0]))
         with pytest.raises(InputError, match="not initialized"):
             shuffled_all_gather(x, info)
+
+
+@pytest.mark.parametrize(
+    ("name", "device", "want"),
+    [
+        ("gloo", "cpu", "gloo"),
+        ("cpu:gloo", "cpu", "gloo"),
+        ("cpu:gloo,cuda:nccl", "cpu", "gloo"),  # the default on a CUDA build
+        ("cpu:gloo,cuda:nccl", "cuda", "nccl"),
+        ("undefined", "cpu", "gloo"),  # init_process_group() without a backend
+        ("nccl", "cuda", "nccl"),
+    ],
+)
+def test_fp8_refusal_finds_gloo_under_every_backend_name(monkeypatch, name, device, want):
+    # the fp8 refusal tested the name "gloo" alone, so 'cpu:gloo' and 'undefined' groups
+    # reached gloo's own 'Invalid scalar type'
+    from planner.runtime_shim import collectives
+
+    monkeypatch.setattr(collectives.dist, "get_backend", lambda group=None: name)
+    on = type("OnDevice", (), {"device": torch.device(device)})()  # no CUDA needed
+    assert collectives._backend_for(on, None) == want

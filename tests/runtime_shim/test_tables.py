@@ -145,6 +145,7 @@ def test_hand_built_tables_are_checked_as_they_are_built():
         ({"ep_size": 3}, "not divisible by ep_size=3"),
         ({"vocab_size": 0}, "vocab_size=0 must be a positive integer"),
         ({"ngram_order": 10**12}, "n-gram columns is too many"),  # refused before 2**(1e12)
+        ({"ngram_order": 10**400}, "n-gram columns is too many"),  # no float overflow
         ({"expert_to_device": tables.expert_to_device.to("meta")}, "on the meta device"),
     ]
     for change, message in bad:
@@ -153,6 +154,17 @@ def test_hand_built_tables_are_checked_as_they_are_built():
     assert dataclasses.replace(tables, manifest={"note": 1}).route(
         torch.tensor([1]), 0
     ).tolist() == [1]
+    # one device: 1**n is one column whatever n, as the bundle's own validation accepts
+    one = dataclasses.replace(
+        tables,
+        ep_size=1,
+        ngram_order=25,
+        expert_to_device=torch.zeros_like(tables.expert_to_device),
+        token_to_device=torch.zeros_like(tables.token_to_device),
+        ngram_to_device=torch.zeros((2, 1), dtype=torch.int16),
+        ngram_confidence=torch.zeros((2, 1), dtype=torch.float16),
+    )
+    assert one.route(torch.tensor([1, 2]), 1).tolist() == [0, 0]
 
 
 # ---------------------------------------------------------------------------------------

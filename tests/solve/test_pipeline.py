@@ -133,6 +133,17 @@ def test_unseen_tokens_flags_traffic_unlike_the_fitting_trace(pipeline, tmp_path
     args = ["compare", str(tmp_path / "pred"), str(tmp_path / "held"), "--ep", "4"]
     assert main([*args, "--methods", "vanilla"]) == 0
     assert "tokens the predictor never saw" in capsys.readouterr().err
+    # no known token ids on one side: nothing to measure, no claim either way
+    batch = open_trace(d / "held").read_all()
+    unknown = TraceBatch.from_arrays(
+        batch.request_id, batch.position, np.full(len(batch), -1), batch.experts, batch.weights
+    )
+    write_trace(tmp_path / "unk", open_trace(d / "held").meta, unknown)
+    blind = unseen_tokens(predictor, open_trace(tmp_path / "unk"))
+    assert blind["heldout"] is None and not blind["shifted"]
+    fitted_blind = fit_predictor(tmp_path / "unk", FitConfig()).predictor
+    blind = unseen_tokens(fitted_blind, open_trace(d / "held"))
+    assert blind == {"heldout": 1.0, "expected": None, "shifted": False}
 
 
 def test_errors(pipeline):
