@@ -41,7 +41,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import safetensors
@@ -328,7 +328,20 @@ def _to_float16(name: str, values) -> np.ndarray:
 # Validation shared by the constructor, the loader and verify_bundle
 
 
-def _expected_shapes(meta: TraceMeta, ep_size: int, ngram_order: int) -> dict[str, tuple]:
+class TableSizes(Protocol):
+    """What the table checks read of a model: a :class:`TraceMeta`, or the runtime shim's
+    ``PlanTables``, which carries the same three sizes."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+
+
+def expected_shapes(meta: TableSizes, ep_size: int, ngram_order: int) -> dict[str, tuple]:
+    """[L, N], [L, V] or [L, E**n] of each table; after :func:`header_problems` passed."""
     cols = {
         "experts": meta.num_experts,
         "vocab": meta.vocab_size,
@@ -337,7 +350,8 @@ def _expected_shapes(meta: TraceMeta, ep_size: int, ngram_order: int) -> dict[st
     return {name: (meta.num_layers, cols[kind]) for name, (_, kind) in TENSORS.items()}
 
 
-def _header_problems(meta: TraceMeta, ep_size: int, ngram_order: int) -> list[str]:
+def header_problems(meta: TableSizes, ep_size: int, ngram_order: int) -> list[str]:
+    """Problems of E and n for ``meta`` (empty list when all is well)."""
     if not is_plain_int(ep_size) or ep_size <= 0:
         return [f"ep_size={ep_size!r} must be a positive integer"]
     if not is_plain_int(ngram_order) or ngram_order < 1:
@@ -347,7 +361,9 @@ def _header_problems(meta: TraceMeta, ep_size: int, ngram_order: int) -> list[st
             f"num_experts={meta.num_experts} is not divisible by ep_size={ep_size}; every "
             "device must host the same number of experts"
         ]
-    if ep_size**ngram_order > MAX_NGRAM_COLUMNS:
+    most = MAX_NGRAM_COLUMNS.bit_length() - 1  # the largest n with 2**n columns allowed
+    # n first: E**n of a corrupt manifest's n (10**12) would not finish; E = 1 is one column
+    if ep_size > 1 and (ngram_order > most or ep_size**ngram_order > MAX_NGRAM_COLUMNS):
         return [
             f"ep_size**ngram_order = {ep_size}**{ngram_order} n-gram columns is too many "
             f"(limit {MAX_NGRAM_COLUMNS}); use a smaller ngram_order"
@@ -359,7 +375,7 @@ def _array_problems(
     meta: TraceMeta, ep_size: int, ngram_order: int, tables: Mapping[str, np.ndarray]
 ) -> list[str]:
     """Dtype, shape and whole-table range problems (empty list when all is well)."""
-    problems = _header_problems(meta, ep_size, ngram_order)
+    problems = header_problems(meta, ep_size, ngram_order)
     if problems:
         return problems
     missing = [name for name in TENSORS if name not in tables]
@@ -368,7 +384,7 @@ def _array_problems(
     extra = sorted(set(tables) - set(TENSORS))
     if extra:
         return [f"unexpected tensor(s): {', '.join(extra)}"]
-    shapes = _expected_shapes(meta, ep_size, ngram_order)
+    shapes = expected_shapes(meta, ep_size, ngram_order)
     for name, (dtype, _) in TENSORS.items():
         arr = tables[name]
         if not isinstance(arr, np.ndarray):

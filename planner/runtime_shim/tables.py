@@ -45,9 +45,10 @@ from planner._checks import is_integer, is_real
 from planner.errors import InfeasibleError, InputError
 from planner.export.bundle import (
     MANIFEST_FILE,
-    MAX_NGRAM_COLUMNS,
     TENSORS,
     Bundle,
+    expected_shapes,
+    header_problems,
     load_bundle_arrays,
     ngram_row_index,
 )
@@ -350,20 +351,13 @@ class PlanTables:
             value = getattr(self, name)
             if not is_integer(value) or int(value) < 1:
                 raise InputError(f"PlanTables: {name}={value!r} must be a positive integer")
-        e, n = int(self.ep_size), int(self.ngram_order)
-        if self.num_experts % e:
-            raise InputError(
-                f"PlanTables: num_experts={self.num_experts} is not divisible by ep_size={e}"
-            )
-        most = MAX_NGRAM_COLUMNS.bit_length() - 1  # the largest n with 2**n columns allowed
-        if e > 1 and (n > most or e**n > MAX_NGRAM_COLUMNS):  # n first: E**n may be huge
-            raise InputError(
-                f"PlanTables: ep_size**ngram_order = {e}**{n} n-gram columns is too many "
-                f"(limit {MAX_NGRAM_COLUMNS})"
-            )
-        cols = {"experts": self.num_experts, "vocab": self.vocab_size, "ngram": e**n}
+        e, n = int(self.ep_size), int(self.ngram_order)  # numpy integers as Python ints
+        problems = header_problems(self, e, n)  # E divides N; E**n columns within the limit
+        if problems:
+            raise InputError(f"PlanTables: {problems[0]}")
+        shapes = expected_shapes(self, e, n)
         device = None
-        for name, (dtype, kind) in TENSORS.items():
+        for name, (dtype, _) in TENSORS.items():
             t = getattr(self, name)
             if not isinstance(t, torch.Tensor):
                 raise InputError(
@@ -373,7 +367,7 @@ class PlanTables:
             want_dtype = torch.int16 if dtype.kind == "i" else torch.float16
             if t.dtype != want_dtype:
                 raise InputError(f"PlanTables: {name} is {t.dtype}, expected {want_dtype}")
-            want = (int(self.num_layers), cols[kind])
+            want = shapes[name]
             if tuple(t.shape) != want:
                 raise InputError(
                     f"PlanTables: {name} has shape {list(t.shape)}, expected {list(want)}"

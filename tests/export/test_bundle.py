@@ -249,6 +249,8 @@ def test_a_dtype_numpy_cannot_read_is_refused_in_one_line(tmp_path, hand_bundle)
         ({"format_version": 1.0}, "format_version 1.0 is not supported"),
         ({"ep_size": True}, "mistypes ep_size"),
         ({"method": 5}, "method=5 must be a string"),
+        # refused before E**n is computed: 2**(10**12) did not finish
+        ({"ngram_order": 10**12}, "n-gram columns is too many"),
     ],
 )
 def test_verify_refuses_what_load_refuses(tmp_path, hand_bundle, changes, message):
