@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from planner.errors import InputError, MismatchError
-from planner.runtime_shim._data import require_data, require_tensor
+from planner.runtime_shim._data import bit_view, require_data, require_tensor
 from planner.runtime_shim.rebatch import (
     Backend,
     RebatchInfo,
@@ -152,7 +152,7 @@ def shuffled_reduce_scatter(
         )
     if verify_devices:
         _verify_same_devices(devices, group)
-    if x.is_floating_point() and x.element_size() == 1 and _backend_for(x, group) == "gloo":
+    if _is_fp8(x) and _backend_for(x, group) == "gloo":
         raise InputError(
             f"gloo cannot sum {x.dtype} rows (it has no fp8); reduce the partial sums in "
             "bf16 or fp32 and cast after"
@@ -196,11 +196,16 @@ def _backend_for(x: torch.Tensor, group) -> str:
     return name
 
 
+def _is_fp8(x: torch.Tensor) -> bool:
+    """A one-byte float format, which gloo can neither sum nor send."""
+    return x.is_floating_point() and x.element_size() == 1
+
+
 def _wire(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as the all-gather sends it: fp8 as its bytes (the gather moves rows, not sums,
-    so that is exact, and gloo has no fp8), every other dtype as it is (gloo has no int16,
-    so wider floats keep their own dtype)."""
-    return x.view(torch.uint8) if x.is_floating_point() and x.element_size() == 1 else x
+    """``x`` as the all-gather sends it: fp8 as its bytes (:func:`bit_view`: the gather moves
+    rows, not sums, so that is exact), every other dtype as it is (gloo has no int16, so
+    wider floats keep their own dtype)."""
+    return bit_view(x) if _is_fp8(x) else x
 
 
 def shuffled_all_gather(
