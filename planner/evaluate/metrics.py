@@ -4,7 +4,8 @@ Every figure is counted over (token occurrence, MoE layer) pairs and the token's
 experts, exactly as the runtime would see them:
 
 - ``lar_token`` / ``lar_ngram`` / ``lar``: share of routed experts living on the device the
-  token was sent to, with the token table, the n-gram table (layers l >= n only), and the
+  token was sent to, with the token table, the n-gram table (layers l >= n only, where it
+  predicts anything: not a counts-fitted plan's table of confidence 0), and the
   online choice of Algorithm 2 (paper 000) -- computed with the runtime shim's own
   functions, so the evaluator and the runtime cannot disagree.
 - ``lar_balanced``: the online choice when each batch of B tokens (trace order) may send at
@@ -98,6 +99,7 @@ class _Acc:
         self.occurrences = z(big_l)
         self.local = {k: z(big_l) for k in ("token", "ngram", "online", "balanced", "vanilla")}
         self.ngram_occ = z(big_l)
+        self.ngram_layers = np.arange(0)  # the layers whose n-gram table predicts (_ngram_layers)
         self.remote = {k: z(big_l) for k in ("online", "balanced", "vanilla")}
         self.touched = {k: z(big_l) for k in ("online", "balanced", "vanilla")}
         self.tokens_on = {k: z(big_l, e) for k in ("online", "balanced")}
@@ -207,11 +209,21 @@ def evaluate_bundle(
     n, k, e = meta.num_experts, meta.top_k, bundle.ep_size
     spans = _RequestSpans(trace)
     acc = _Acc(meta, e, spans.lengths(), count_oracle=oracle)
+    acc.ngram_layers = _ngram_layers(bundle)
     with progress_bar(progress, "evaluating", trace.num_rows, unit="tokens") as advance:
         for chunk in _chunks(trace, cfg.batch_tokens):
             _evaluate_chunk(chunk, bundle, cfg, spans, acc)
             advance(len(chunk))
     return _report(acc, bundle, cfg, k, n // e)
+
+
+def _ngram_layers(bundle: Bundle) -> np.ndarray:
+    """The layers (from the n-gram order on) whose n-gram table predicts anything: a table of
+    confidence 0 everywhere (a plan fitted from counts has no n-gram tables, and its bundle
+    carries such a one) never decides, offers no second choice, and has no LAR."""
+    order = bundle.ngram_order
+    layers = np.arange(order, bundle.meta.num_layers)
+    return layers[(np.asarray(bundle.ngram_confidence[order:]) > 0).any(axis=1)]
 
 
 def _evaluate_chunk(
@@ -235,7 +247,7 @@ def _evaluate_chunk(
     ngram_conf = np.zeros((t, big_l), np.float32)
     if order > 0 and big_l > order:
         top1_dev = expert_device[:, :, 0]  # [T, L]
-        for layer in range(order, big_l):
+        for layer in acc.ngram_layers.tolist():
             row = ngram_row_index(top1_dev[:, layer - order : layer], e)
             ngram_dev[:, layer] = bundle.ngram_to_device[layer, row]
             ngram_conf[:, layer] = bundle.ngram_confidence[layer, row]
@@ -248,8 +260,8 @@ def _evaluate_chunk(
     acc.occurrences += t
     acc.local["token"] += (expert_device == token_dev[..., None]).sum(axis=(0, 2))
     ng = (expert_device == ngram_dev[..., None]).sum(axis=(0, 2))
-    acc.local["ngram"][order:] += ng[order:]
-    acc.ngram_occ[order:] += t
+    acc.local["ngram"][acc.ngram_layers] += ng[acc.ngram_layers]
+    acc.ngram_occ[acc.ngram_layers] += t
     acc.ngram_used += (ngram_conf > token_conf).sum(0)
     for name, dev, edev in (
         ("online", chosen, expert_device),

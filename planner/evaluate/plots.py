@@ -2,8 +2,9 @@
 
 - :func:`plot_comparison`: one bar per method, its balanced LAR held out (the figure plans
   are judged by), a tick for its LAR before the per-batch cap, and the per-token oracle
-  bound and positional vanilla LAR as lines: how far each plan is from what any placement
-  could give, and from the default deployment.
+  bound and positional vanilla LAR as lines: how far each plan is from what any token table
+  could give (the n-gram table, choosing per occurrence, can pass it), and from the default
+  deployment.
 - :func:`plot_evaluation`: per MoE layer, the LAR of the token table, the n-gram table, the
   online choice and after the cap, with vanilla and the oracle bound (top); the token and
   expert-load imbalance (bottom): which layers lose locality and which are unbalanced.

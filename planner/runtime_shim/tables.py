@@ -108,7 +108,9 @@ def online_candidates(
 
     Returns (device, confidence, second_device, second_confidence); the second choice is
     the other table's device and confidence, or -1 where it names the same device (or no
-    device: an n-gram device < 0 marks layers without an n-gram prediction).
+    device: an n-gram device < 0 marks layers without an n-gram prediction, and an n-gram
+    entry of confidence 0 predicts nothing, as in the table a plan without n-gram tables
+    exports).
     """
     td, to_np = _as_tensor(token_device)
     tc, _ = _as_tensor(token_confidence)
@@ -124,7 +126,7 @@ def online_candidates(
     use_ngram = (nc > tc) & (nd >= 0)
     device = torch.where(use_ngram, nd, td)
     confidence = torch.where(use_ngram, nc, tc)
-    second = torch.where(use_ngram, td, nd)
+    second = torch.where(use_ngram, td, torch.where(nc > 0, nd, -1))
     second = torch.where(second == device, -1, second)
     second_conf = torch.where(use_ngram, tc, nc)
     return tuple(_back(x, to_np) for x in (device, confidence, second, second_conf))

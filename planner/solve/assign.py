@@ -93,8 +93,10 @@ def assign_tokens(
     alone loses 2-3%). Zero-frequency tokens take their best device. Tiny problems (at most
     ``_EXACT_ENTRIES`` token x device entries, where heavy tokens make the greedy's
     integrality losses large) are solved exactly by a 0-1 program instead; if no assignment
-    fits the capacities, by the same program with one maximal token of slack (as the ILP
-    solver does), and if none fits that either, the steps above apply (with the overflow rule).
+    fits the capacities, by the same program with each token heavier than a device's room
+    allowed to fill that device alone (:func:`heavy_fill_loads`), then with one maximal token
+    of slack on every device (the ILP solver falls back alike), and if none fits that either,
+    the steps above apply (with the overflow rule).
     """
     gain = np.asarray(gain, dtype=np.float64)
     freq = np.asarray(freq, dtype=np.float64)
@@ -143,9 +145,13 @@ def _assign_tokens(
     if exact and 0 < busy.size * e <= _EXACT_ENTRIES and np.isfinite(room).all():
         charge(effort, "assign_exact")
         solved = _assign_exact(gain[busy], freq[busy], room)
+        if solved is None and freq[busy].max() > room.min():
+            # a token heavier than a device's room may fill that device alone (the ILP's
+            # fallback too, planner.solve.ilp)
+            solved = _assign_exact(gain[busy], freq[busy], room, heavy_fill=True)
         if solved is None:
-            # no assignment fits the cap: allow one maximal token above it, the slack rule
-            # of planner.solve.problem and what the ILP falls back to (planner.solve.ilp)
+            # none fits still: allow one maximal token above the cap, the slack rule of
+            # planner.solve.problem and the ILP's last fallback
             solved = _assign_exact(gain[busy], freq[busy], room + freq[busy].max())
         if solved is not None:
             token_to_device[busy] = solved
@@ -188,14 +194,24 @@ def _assign_tokens(
     return Assignment(token_to_device, price)
 
 
-def _assign_exact(gain: np.ndarray, freq: np.ndarray, room: np.ndarray) -> np.ndarray | None:
-    """Optimal assignment of a few tokens by a 0-1 program (HiGHS via scipy); None if none fits."""
+def _assign_exact(
+    gain: np.ndarray, freq: np.ndarray, room: np.ndarray, heavy_fill: bool = False
+) -> np.ndarray | None:
+    """Optimal assignment of a few tokens by a 0-1 program (HiGHS via scipy); None if none fits.
+
+    ``heavy_fill``: a token heavier than a device's room counts as that room there, so it
+    may sit on the device alone (:func:`heavy_fill_loads`)."""
     from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import eye, kron
+    from scipy.sparse import coo_matrix, eye, kron
 
     num_tokens, e = gain.shape
     one_device = LinearConstraint(kron(eye(num_tokens), np.ones((1, e))), 1, 1)
-    capacity = LinearConstraint(kron(freq[None, :], eye(e)), -np.inf, room)
+    load = (
+        heavy_fill_loads(freq, room) if heavy_fill else np.broadcast_to(freq[:, None], gain.shape)
+    )
+    rows = np.broadcast_to(np.arange(e), gain.shape).ravel()
+    per_device = coo_matrix((load.ravel(), (rows, np.arange(gain.size))), shape=(e, gain.size))
+    capacity = LinearConstraint(per_device, -np.inf, room)
     result = milp(
         -gain.ravel(), constraints=[one_device, capacity], integrality=np.ones(gain.size),
         bounds=Bounds(0, 1), options={"time_limit": 2.0},
@@ -203,6 +219,19 @@ def _assign_exact(gain: np.ndarray, freq: np.ndarray, room: np.ndarray) -> np.nd
     if result.x is None:
         return None
     return result.x.reshape(num_tokens, e).argmax(axis=1).astype(np.int64)
+
+
+def heavy_fill_loads(freq: np.ndarray, room: np.ndarray) -> np.ndarray:
+    """[J, E] the load token j counts for on device d when a token heavier than a device's
+    room may fill it alone: ``min(a_j, room_d)`` (``a_j`` where the room is not positive, so
+    a full device stays full). Under ``sum_j load[j, d] y[j, d] <= room_d`` such a token
+    takes its device to its cap and shares it with load-free tokens only: the tightest rule
+    under which an instance whose heaviest token outweighs a device's cap has a solution
+    (when several tokens near the cap leave none, the slack rule of
+    :mod:`planner.solve.problem` is what is left)."""
+    freq = np.asarray(freq, dtype=np.float64)[:, None]
+    room = np.asarray(room, dtype=np.float64)[None, :]
+    return np.where(room > 0, np.minimum(freq, room), freq)
 
 
 def dual_prices(

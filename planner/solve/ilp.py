@@ -14,10 +14,12 @@ dev_d`` with ``dev_d >= |load_d - S/E|`` ("penalty" mode). Constraints (named as
 
 - ``expert_once_k``: ``sum_d x[k, d] = 1``; ``experts_on_d``: ``sum_k x[k, d] = N/E``;
 - ``token_once_j``: ``sum_d y[j, d] = 1``;
-- ``load_d``: ``sum_j a_j y[j, d] <= beta S / E`` (cap mode; when no placement fits
-  because tokens are indivisible, the program is solved again with the cap raised by the
-  heaviest token, the slack rule of :mod:`planner.solve.problem`, and ``info["token_cap"]``
-  says so);
+- ``load_d``: ``sum_j a_j y[j, d] <= beta S / E`` (cap mode). When no placement fits
+  because tokens are indivisible, the program is solved again, first with each token's load
+  counted as at most the cap (a token heavier than the cap fills a device alone), then with
+  the cap raised by the heaviest token on every device (the slack rule of
+  :mod:`planner.solve.problem`); ``info["token_rule"]`` (``cap``, ``heavy_fill`` or
+  ``slack``) and ``info["token_cap"]`` say which;
 - ``zx_j_k_d``: ``z <= x[k, d]``; ``zy_j_k_d``: ``z <= y[j, d]``.
 
 Symmetry breaking (``symmetry_breaking``, on by default): devices are interchangeable, so
@@ -151,17 +153,27 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     with _solver_stdout(bool(opts["msg"])):
         prog.solve(solver)
     status = _status(prog)
+    token_rule = "cap"
     if status == "infeasible" and sub.balance == "cap":
-        # tokens are indivisible: allow one maximal token above the cap (the slack rule of
-        # planner.solve.problem) rather than give up
-        capacity = sub.capacity + sub.load_slack
-        prog, x_vars, y_vars = build_program(
-            sub, symmetry_breaking=symmetry, capacity=capacity, start=start
-        )
-        solve_started = time.perf_counter()
-        with _solver_stdout(bool(opts["msg"])):
-            prog.solve(solver)
-        status = _status(prog)
+        # tokens are indivisible: first let a token heavier than the cap fill a device alone,
+        # then allow one maximal token above the cap on every device (the slack rule of
+        # planner.solve.problem), rather than give up; planner.solve.assign falls back alike
+        fallbacks = [("slack", sub.capacity + sub.load_slack, False)]
+        if sub.num_tokens and sub.token_freq.max() > sub.capacity:
+            fallbacks.insert(0, ("heavy_fill", sub.capacity, True))
+        for rule, capacity, heavy_fill in fallbacks:
+            token_rule = rule
+            prog, x_vars, y_vars = build_program(
+                sub, symmetry_breaking=symmetry, capacity=capacity, heavy_fill=heavy_fill,
+                start=start,
+            )  # fmt: skip
+            # the fallbacks share the time limit with the first program
+            solver.timeLimit = max(solve_started + time_limit - time.perf_counter(), 1.0)
+            with _solver_stdout(bool(opts["msg"])):
+                prog.solve(solver)
+            status = _status(prog)
+            if status != "infeasible":
+                break
     over = time.perf_counter() - solve_started - time_limit
     if status == "infeasible":
         raise InfeasibleError(
@@ -184,7 +196,11 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     t = None
     if exact:
         t = np.array([_argmax_var(y_vars[j]) for j in range(problem.num_tokens)], dtype=np.int64)
-    overrun = t is not None and problem.balance == "cap" and _over_cap(problem, t, capacity)
+    overrun = (
+        t is not None
+        and problem.balance == "cap"
+        and _over_cap(problem, t, capacity, token_rule == "heavy_fill")
+    )
     if overrun:  # a safety net: the scaling of _program_shift keeps tolerances from this
         t = None
     info = {
@@ -198,6 +214,7 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
         "symmetry_breaking": bool(opts["symmetry_breaking"]),
         "time_limit": time_limit,
         "token_cap": capacity if np.isfinite(capacity) else None,
+        "token_rule": token_rule,
         "start": start is not None,
     }
     if over > 1.0:
@@ -224,11 +241,14 @@ def build_program(
     *,
     symmetry_breaking: bool = True,
     capacity: float | None = None,
+    heavy_fill: bool = False,
     start: tuple[np.ndarray, np.ndarray] | None = None,
 ):
     """The PuLP program of ``problem``. Returns (program, x_vars, y_vars).
 
     ``capacity`` overrides the token cap of "cap" mode (default ``problem.capacity``).
+    ``heavy_fill`` counts each token's load as at most the cap, so a token heavier than the
+    cap may fill a device alone (:func:`planner.solve.assign.heavy_fill_loads`).
     ``start`` = (expert_to_device, token_to_device) sets every variable's initial value
     (the solver's start, :func:`_start`); it must respect the symmetry breaking.
 
@@ -268,6 +288,8 @@ def build_program(
                 prog += z <= y_vars[j][d], f"zy_{j}_{k}_{d}"
                 local_terms.append((z, weight))
     local = pulp.LpAffineExpression(local_terms)
+    if heavy_fill:
+        freq = np.minimum(freq, cap)
     loads = [
         pulp.lpSum(float(freq[j]) * y_vars[j][d] for j in range(problem.num_tokens))
         for d in range(e)
@@ -298,9 +320,11 @@ def build_program(
     return prog, x_vars, y_vars
 
 
-def _over_cap(problem: LayerProblem, t: np.ndarray, capacity: float) -> bool:
-    """Whether token assignment ``t`` puts more than ``capacity`` on a device."""
-    loads = np.bincount(t, weights=problem.token_freq, minlength=problem.ep_size)
+def _over_cap(problem: LayerProblem, t: np.ndarray, capacity: float, heavy_fill: bool) -> bool:
+    """Whether token assignment ``t`` puts more than ``capacity`` on a device (with
+    ``heavy_fill``, each token counted as at most ``capacity``)."""
+    freq = np.minimum(problem.token_freq, capacity) if heavy_fill else problem.token_freq
+    loads = np.bincount(t, weights=freq, minlength=problem.ep_size)
     return bool(loads.max() > capacity * (1 + LOAD_RTOL))
 
 

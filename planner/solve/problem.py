@@ -17,9 +17,11 @@ hosts expert k. The solvers maximise the local activations
   there) stays within ``capacity = beta * sum(a) / E``. Tokens are indivisible, so a token
   that no longer fits anywhere goes to the least-loaded device; that device's load then stays
   below ``sum(a) / E + a_j``. The rule a placement is validated against is therefore
-  ``load_d <= capacity + max_j a_j`` (the *slack* is one maximal token). On tiny instances a
-  single token can be heavier than ``capacity`` by itself: it then sits on a device of its own
-  choosing as far as possible, and the same slack rule covers it.
+  ``load_d <= capacity + max_j a_j`` (the *slack* is one maximal token). On small instances
+  or at large EP a single token can be heavier than ``capacity`` by itself: it then sits on a
+  device of its own choosing, alone where the other tokens fit elsewhere (the exact paths, the
+  ILP's and the shared assignment's, solve first with each token's load counted as at most
+  the cap, :func:`planner.solve.assign.heavy_fill_loads`), and the same slack rule covers it.
 - ``balance="penalty"``: no hard cap; the objective is the paper's θ-weighted one, written as
   a maximisation: ``(1 - θ) * local - θ * sum_d |load_d - sum(a) / E|``.
 
@@ -429,6 +431,9 @@ class LayerPlacement:
             value = np.asarray(getattr(self, name))
             if value.ndim != 1:
                 raise InputError(f"{name} must be 1-D, got shape {value.shape}")
+            if dtype is np.int64 and value.size and value.dtype.kind not in "iu":
+                # a device id of 1.7 must not pass as device 1
+                raise InputError(f"{name} must hold integer device ids, got {value.dtype}")
             object.__setattr__(self, name, value.astype(dtype, copy=False))
 
     def device_loads(self, problem: LayerProblem) -> np.ndarray:

@@ -12,6 +12,7 @@ from planner.errors import MismatchError
 from planner.evaluate import EvalConfig, evaluate_bundle
 from planner.evaluate.compare import ratio_interval
 from planner.export.bundle import Bundle
+from planner.runtime_shim.tables import assign_with_capacity, online_candidates
 from planner.trace import TraceMeta, open_trace, write_trace
 from tests.conftest import random_batch
 
@@ -180,3 +181,31 @@ def test_refuses_other_model(tmp_path, small_meta):
     )
     with pytest.raises(MismatchError, match="MoE layer 0 is model layer .* in the bundle"):
         evaluate_bundle(_random_bundle(shifted, 2, 1, 0), open_trace(path))
+
+
+def test_a_plan_without_ngram_tables_has_no_ngram_lar_and_no_second_choice(tmp_path):
+    # a counts-fitted plan exports an n-gram table of confidence 0 everywhere: it has no LAR
+    # of its own, and the capped routing must not take its device 0 for every token's second
+    # choice (the overflow once filled device 0 first)
+    meta = TraceMeta("test/m", num_layers=2, num_experts=8, top_k=2, vocab_size=30)
+    batch = random_batch(meta, 2000, seed=1, requests=5)
+    path = write_trace(tmp_path / "t.parquet", meta, batch)
+    bundle = Bundle.from_arrays(
+        meta, ep_size=4, ngram_order=1,
+        expert_to_device=np.stack([np.arange(8) // 2] * 2),
+        token_to_device=np.ones((2, 30), int),  # every token on device 1: 1450 overflow
+        token_confidence=np.full((2, 30), 0.5, np.float16),
+        ngram_to_device=np.zeros((2, 4), np.int16),
+        ngram_confidence=np.zeros((2, 4), np.float16),
+    )  # fmt: skip
+    report = evaluate_bundle(bundle, open_trace(path), EvalConfig(batch_tokens=2000))
+    assert report["overall"]["lar_ngram"] is None
+    assert all(row["lar_ngram"] is None for row in report["per_layer"])
+    t = 2000
+    device, conf, second, _ = online_candidates(
+        np.ones(t, int), np.full(t, 0.5, np.float32), np.zeros(t, int), np.zeros(t, np.float32)
+    )
+    assert (second == -1).all()
+    # the overflow spreads over the devices with room: 550 on device 1, 483-484 elsewhere
+    out = assign_with_capacity(device, conf, 550, 4, second, np.zeros(t, np.float32))
+    assert np.bincount(out, minlength=4).tolist() == [484, 550, 483, 483]

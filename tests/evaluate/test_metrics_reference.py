@@ -12,7 +12,10 @@ Conventions the reference spells out (where DESIGN.md leaves a choice open):
 - a token with id -1 (unknown) has no token-table entry: it goes to its request's
   contiguous (vanilla) chunk with confidence 0, so the n-gram table decides wherever it has
   any confidence; the oracle bound counts known tokens only;
-- the n-gram table predicts only at layers l >= n (``lar_ngram`` counts those layers).
+- the n-gram table predicts only at layers l >= n (``lar_ngram`` counts those layers), and
+  only at layers where some entry has a positive confidence (a plan without n-gram tables
+  exports one of confidence 0 everywhere); an entry of confidence 0 predicts nothing, so it
+  is never a token's second choice.
 """
 
 from __future__ import annotations
@@ -146,7 +149,7 @@ def _reference(bundle: Bundle, rows: TraceBatch, cfg: EvalConfig) -> dict:
             else:
                 td, tc = van[t], 0.0
             token_choice[t][layer] = td
-            if layer >= order:
+            if layer >= order and max(ng_conf[layer]) > 0:
                 row = 0
                 for j in range(layer - order, layer):  # most recent layer last
                     row = row * ep + e2d[j][experts[t][j][0]]
@@ -159,7 +162,7 @@ def _reference(bundle: Bundle, rows: TraceBatch, cfg: EvalConfig) -> dict:
                 other, other_conf = td, tc
             else:
                 choice[t][layer], conf[t][layer] = td, tc
-                other, other_conf = nd, nc
+                other, other_conf = (nd, nc) if nc > 0 else (None, 0.0)
             if other is not None and other != choice[t][layer]:
                 second[t][layer], second_conf[t][layer] = other, other_conf
 
@@ -416,7 +419,7 @@ def test_the_runtime_routes_each_batch_as_the_reference():
                 if nd is not None and nc > tc:
                     pick, other = (nd, nc), (td, tc)
                 else:
-                    pick, other = (td, tc), (nd, nc)
+                    pick, other = (td, tc), ((nd, nc) if nc > 0 else (None, 0.0))
                 choice.append(pick[0])
                 conf.append(pick[1])
                 keep_other = other[0] is not None and other[0] != pick[0]

@@ -67,7 +67,7 @@ def reference_choice(b: Bundle, token_ids, layer, prev, *, second=False):
             ndev, nconf = int(b.ngram_to_device[layer, row]), float(b.ngram_confidence[layer, row])
             if nconf > conf:
                 dev, conf, alt, alt_conf = ndev, nconf, dev, conf
-            else:
+            elif nconf > 0:  # an n-gram entry of confidence 0 predicts nothing
                 alt, alt_conf = ndev, nconf
             if alt == dev:
                 alt = -1

@@ -51,22 +51,47 @@ def test_token_that_fits_nowhere_goes_to_the_emptiest_device() -> None:
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_tiny_assignment_the_cap_cannot_hold_is_optimal_under_the_slack_rule(seed: int) -> None:
+def test_tiny_assignment_the_cap_cannot_hold_is_optimal_with_the_heavy_token_alone(
+    seed: int,
+) -> None:
     # a token heavier than the cap: no assignment meets it, and the exact path then solves
-    # the ILP's fallback (loads <= cap + the heaviest token) to its optimum, not the greedy
+    # the ILP's first fallback (that token fills a device alone, every other device within
+    # the cap) to its optimum, not the greedy; no other device is let over the cap
     rng = np.random.default_rng(seed)
     gain = rng.integers(0, 6, (6, 3)).astype(float)
     freq = np.array([7.0, 2.0, 2.0, 1.0, 1.0, 1.0])
     cap = 1.1 * freq.sum() / 3  # 5.13 < 7
     t = assign.assign_tokens(gain, freq, cap).token_to_device
     rows = np.arange(6)
+
+    def heavy_alone(c) -> bool:
+        loads = np.bincount(c, weights=freq, minlength=3)
+        return all(loads[d] <= cap or list(c).count(d) == 1 for d in range(3))
+
     best = max(
         gain[rows, np.array(c)].sum()
         for c in itertools.product(range(3), repeat=6)
-        if np.bincount(c, weights=freq, minlength=3).max() <= cap + freq.max()
+        if heavy_alone(c)
     )
     assert gain[rows, t].sum() == best
-    assert np.bincount(t, weights=freq, minlength=3).max() <= cap + freq.max()
+    assert heavy_alone(t)
+
+
+def test_tiny_assignment_falls_back_to_the_slack_rule_when_heavy_tokens_cannot_sit_alone() -> None:
+    # three tokens heavier than the cap on two devices: one device must share, so the last
+    # fallback (every device within cap + the heaviest token) applies
+    gain = np.array([[3.0, 0.0], [0.0, 3.0], [1.0, 1.0], [2.0, 0.0]])
+    freq = np.array([4.0, 4.0, 4.0, 1.0])
+    cap = 1.1 * freq.sum() / 2  # 7.15: no two heavy tokens share a device within it
+    t = assign.assign_tokens(gain, freq, cap).token_to_device
+    loads = np.bincount(t, weights=freq, minlength=2)
+    assert loads.max() <= cap + freq.max()
+    assert t[0] == 0 and t[1] == 1
+
+
+def test_heavy_fill_loads_clip_at_each_device_room_and_keep_full_devices_full() -> None:
+    loads = assign.heavy_fill_loads(np.array([5.0, 1.0]), np.array([3.0, 0.0]))
+    assert loads.tolist() == [[3.0, 5.0], [1.0, 1.0]]
 
 
 def test_tokens_heavier_than_any_room_go_where_they_gain_most_among_the_emptiest() -> None:

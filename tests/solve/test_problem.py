@@ -88,6 +88,10 @@ def test_validate_catches_broken_placements() -> None:
         _placement(token_to_device=np.array([0, 1])).validate(problem)
     with pytest.raises(InfeasibleError, match="confidence"):
         _placement(token_confidence=np.array([1.0, 2.0, 0.5])).validate(problem)
+    with pytest.raises(InputError, match="integer device ids"):  # not truncated to [0, 0, 1, 1]
+        _placement(expert_to_device=np.array([0.9, 0.2, 1.7, 1.99]))
+    with pytest.raises(InputError, match="integer device ids"):
+        _placement(token_to_device=np.array([0.5, 1.0, 0.0]))
     # all tokens on one device: load 4 <= capacity 2.2 + slack 2 is tolerated ...
     _placement(token_to_device=np.array([0, 0, 0])).validate(problem)
     # ... but with unit frequencies, 3 > 1.65 + 1 is not

@@ -106,6 +106,26 @@ def test_token_heavier_than_the_cap(method: str) -> None:
     assert p.device_loads(heavy).max() > heavy.capacity
 
 
+def test_ilp_with_a_token_over_the_cap_keeps_the_other_devices_within_it() -> None:
+    # too large for the shared assignment's exact path (300 tokens x 4 devices), so only the
+    # ILP's fallback decides: a token heavier than the cap fills a device alone and every
+    # other device stays within the cap, as the shared assignment keeps them (it once raised
+    # every device's cap by the heaviest token, and reported an "optimum" CEO could not reach
+    # because it broke the cap CEO kept)
+    problem = random_problem(300, 8, 4, top_k=2, seed=2, clusters=4, noise=0.1, zipf=1.5,
+                             max_freq=500)  # fmt: skip
+    assert problem.token_freq.max() > problem.capacity
+    exact = solve_layer(problem, "ilp", SolverConfig(time_limit=60))
+    assert exact.info["status"] == "optimal" and exact.info["token_rule"] == "heavy_fill"
+    heavy = int(problem.token_freq.argmax())
+    loads = exact.device_loads(problem)
+    alone = exact.token_to_device == exact.token_to_device[heavy]
+    assert problem.token_freq[alone].sum() == problem.token_freq[heavy]
+    assert np.delete(loads, exact.token_to_device[heavy]).max() <= problem.capacity
+    ceo = solve_layer(problem, "ceo", SolverConfig(seed=0))
+    assert 0.97 * exact.objective <= ceo.objective <= exact.objective * (1 + 1e-9)
+
+
 def _tiny(seed: int, e: int) -> LayerProblem:
     return random_problem(12, 8, e, top_k=2, seed=seed, max_freq=6, zipf=0.5, noise=0.3)
 
