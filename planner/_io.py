@@ -29,11 +29,14 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
     (:func:`check_output`).
     """
     dest = Path(dest)
+    # the folders made for dest, removed again if it is not written (deepest first)
+    made = [d for d in (dest.parent, *dest.parent.parents) if not d.exists()]
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
     os.close(fd)
     tmp = Path(tmp_name)
     tmp.unlink()
+    written = False
     try:
         yield tmp
         _default_file_modes(tmp)
@@ -44,6 +47,7 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
             # step (renameat2 RENAME_EXCHANGE), so there is no moment without ``dest``; the
             # old directory, now at ``tmp``, is removed below.
             if _exchange(tmp, dest):
+                written = True
                 return
             # Elsewhere: via a backup name of its own (a fixed name could be a user's file),
             # renamed onto a fresh empty directory
@@ -59,11 +63,17 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
             raise InputError(f"{dest}: exists and is a file; a directory cannot replace it")
         else:
             os.replace(tmp, dest)
+        written = True
     finally:
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
         elif tmp.exists():
             tmp.unlink()
+        for folder in made if not written else ():
+            try:
+                folder.rmdir()  # only if still empty (another output may have landed there)
+            except OSError:
+                break
 
 
 def _exchange(a: Path, b: Path) -> bool:

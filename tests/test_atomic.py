@@ -269,3 +269,20 @@ def test_a_directory_is_swapped_in_one_step(tmp_path, monkeypatch):
         (tmp / "plan.json").write_text("new")
     assert (dest / "plan.json").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan"]  # the old one removed
+
+
+def test_folders_made_for_an_output_that_failed_are_removed(tmp_path):
+    # a refused input left the empty folders of its output behind (trace split's s/)
+    dest = tmp_path / "a" / "b" / "out.json"
+    with pytest.raises(InputError), atomic_path(dest) as tmp:
+        tmp.write_text("{}")
+        raise InputError("refused")
+    assert not (tmp_path / "a").exists()
+    # a folder another output landed in meanwhile is kept
+    with pytest.raises(InputError), atomic_path(dest) as tmp:
+        (tmp_path / "a" / "b" / "other").write_text("x")
+        raise InputError("refused")
+    assert (tmp_path / "a" / "b" / "other").exists()
+    with atomic_path(dest) as tmp:
+        tmp.write_text("{}")
+    assert json.loads(dest.read_text()) == {}

@@ -86,8 +86,8 @@ def solve(
     time_limit: float = typer.Option(
         None,
         "--time-limit",
-        help="Wall-clock seconds per layer: iterative solvers stop soon after it; the ILP keeps its best "
-        "placement at it, and its solver process is killed at most 5 s + 10% later. CEO's own "
+        help="Wall-clock seconds per layer: iterative solvers stop soon after it; the ILP (default 60 s a layer) keeps its "
+        "best placement at it, and its solver process is killed at most 5 s + 10% later. CEO's own "
         "budget counts work, not time, so "
         "the same inputs and seed give the same plan on any machine; a time limit that cuts "
         "a solve makes it depend on the machine's speed.",
@@ -200,7 +200,9 @@ def compare(
     seed: int = typer.Option(0, "--seed"),
     jobs: int = typer.Option(1, "--jobs"),
     time_limit: float = typer.Option(
-        None, "--time-limit", help="Seconds per layer (ILP needs one on big problems)."
+        None,
+        "--time-limit",
+        help="Seconds per layer (the ILP's default: 60; it needs one on big problems).",
     ),
     ngram_order: int = typer.Option(2, "--ngram-order"),
     ngram_weight: float = typer.Option(

@@ -52,12 +52,17 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     opts = check_options("kmeans", config.for_method("kmeans"), DEFAULTS, KINDS)
     if opts["profile"] not in PROFILES:
         raise InputError(f"kmeans: profile={opts['profile']!r} is not one of {', '.join(PROFILES)}")
-    features = expert_profiles(problem, str(opts["profile"]))
     rng = np.random.default_rng(config.seed)
     runs: dict[bytes, tuple[float, np.ndarray, int]] = {}
     deadline = config.deadline(started)
     restarts = 0
-    for _ in range(int(opts["n_init"])):
+    if problem.experts_per_device == 1 or problem.ep_size == 1:
+        # every balanced clustering is a relabelling of every other (as in CEO): no restarts
+        contiguous = np.arange(problem.num_experts) // problem.experts_per_device
+        runs[b""] = (float("nan"), contiguous, 0)
+    else:
+        features = expert_profiles(problem, str(opts["profile"]))
+    for _ in range(int(opts["n_init"]) if not runs else 0):
         if runs and deadline is not None and time.perf_counter() > deadline:
             break
         restarts += 1
@@ -80,7 +85,7 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     assert best is not None, "kmeans: n_init and evaluate must be at least 1"
     _, labels, t, inertia, iters = best
     info = {
-        "inertia": float(inertia),
+        "inertia": None if np.isnan(inertia) else float(inertia),
         "iterations": int(iters),
         "n_init": int(opts["n_init"]),
         "restarts_run": restarts,  # fewer than n_init where the time limit stopped them

@@ -79,6 +79,10 @@ def _repeated_expert(experts: np.ndarray) -> tuple[int, int] | None:
     return divmod(first, experts.shape[1])
 
 
+# Rows of each part whose gate weights a stage that skips them still checks (iter_batches).
+WEIGHT_SAMPLE_ROWS = 4096
+
+
 def _bad_weight(weights: np.ndarray) -> tuple[int, int, str] | None:
     """(row, layer, what is wrong) of the first token whose gate weights at one layer are
     not finite or not descending (the schema's order: rank 0 is the largest), else None."""
@@ -502,8 +506,13 @@ class Trace:
         """Stream the trace as :class:`TraceBatch` blocks of at most ``batch_rows`` rows.
 
         ``weights=False`` skips the gate-weight column (``batch.weights`` is None): pyarrow
-        decodes float16 lists several times slower than all other columns together, and
-        most stages (fit, evaluate) never read the weights.
+        decodes float16 lists several times slower than all other columns together (reading
+        them would slow ``fit`` by half), and most stages (fit, evaluate) never read the
+        weights. With ``validate`` the weights of each part's first
+        ``WEIGHT_SAMPLE_ROWS`` rows are still checked, so that a trace whose experts are not
+        in descending gate-weight order (rank 0, the top-1 expert the n-gram statistics
+        read, would be another) is refused by every stage; ``moeplan trace info`` and
+        ``trace split`` check every row.
         """
         if not is_integer(batch_rows) or batch_rows < 1:
             raise InputError(f"batch_rows={batch_rows!r} must be a positive integer")
@@ -512,6 +521,12 @@ class Trace:
             missing = [e for e in extras if e not in schema.names]
             if missing:
                 raise SchemaError(f"{part}: has no column(s) {', '.join(missing)}")
+            if validate and not weights:
+                for rb in _part_batches(part, WEIGHT_SAMPLE_ROWS, list(REQUIRED_COLUMNS)):
+                    _batch_from_record_batch(rb, self.meta, (), str(part)).validate(
+                        self.meta, where=str(part)
+                    )
+                    break
             for rb in _part_batches(part, batch_rows, columns):
                 batch = _batch_from_record_batch(rb, self.meta, tuple(extras), str(part))
                 if validate:

@@ -19,6 +19,7 @@ from planner.trace import (
     open_trace,
     write_trace,
 )
+from planner.trace import io as trace_io
 from tests.conftest import FLAME_TRACE, OLMOE_COUNTS, random_batch, require
 
 
@@ -306,7 +307,7 @@ def test_repeated_experts_and_negative_positions_are_refused(tmp_path, small_met
     ("value", "why"),
     [(np.nan, "are not all finite"), (np.inf, "are not all finite"), (0.9, "not in descending")],
 )
-def test_gate_weights_must_be_finite_and_descending(tmp_path, small_meta, value, why):
+def test_gate_weights_must_be_finite_and_descending(tmp_path, small_meta, value, why, monkeypatch):
     """DESIGN.md: weights descending within each layer. NaN, inf or a rank-1 weight above
     rank 0's passed validation and were written and read back."""
     batch = random_batch(small_meta, 20)
@@ -321,7 +322,12 @@ def test_gate_weights_must_be_finite_and_descending(tmp_path, small_meta, value,
     pq.write_table(batch.to_table(small_meta), tmp_path / "w.parquet")
     with pytest.raises(SchemaError, match=why):
         open_trace(tmp_path / "w.parquet").read_all()
-    # stages that skip the weights column (fit, evaluate) never see them
+    # stages that skip the weights column (fit, evaluate, compare) check each part's first
+    # rows (a trace written in another order was fitted with the wrong top-1 experts) ...
+    with pytest.raises(SchemaError, match=why):
+        list(open_trace(tmp_path / "w.parquet").iter_batches(weights=False))
+    # ... and only those: a bad row past them is left to trace info / split
+    monkeypatch.setattr(trace_io, "WEIGHT_SAMPLE_ROWS", 7)
     assert sum(len(b) for b in open_trace(tmp_path / "w.parquet").iter_batches(weights=False)) == 20
     # negative weights are compared as values (the fast path orders float16 bits)
     batch.weights[:, :, 0], batch.weights[:, :, 1] = -0.25, -0.5
