@@ -80,6 +80,7 @@ from planner._checks import is_integer
 from planner._io import write_bytes_atomic
 from planner.errors import InputError, SchemaError
 from planner.export.bundle import Bundle, permutation_from_placement
+from planner.trace.schema import COUNTS_SOURCE
 
 # Guard against absurd model depths (SGLang's file has a row of N ids per model layer).
 MAX_MODEL_LAYERS = 4096
@@ -96,6 +97,11 @@ class EnginePlacement:
         moe_layer_indices: model layer index of each MoE layer, length L, increasing.
         num_model_layers: decoder layers of the model, dense ones included (SGLang needs
             a row for each). Defaults to ``max(moe_layer_indices) + 1``.
+        unplanned_gaps: the model layers missing from ``moe_layer_indices`` may be MoE
+            layers left unplanned, not dense ones (a plan fitted from counts of some layers,
+            :func:`planner.predict.counts`): the formats that list MoE layers only
+            (vllm-ascend, TensorRT-LLM) then refuse the plan, since they would give a layer's
+            plan to another layer or lack one.
 
     Example: a 3-layer model whose layer 0 is dense, N = 4, E = 2::
 
@@ -106,6 +112,7 @@ class EnginePlacement:
     ep_size: int
     moe_layer_indices: tuple[int, ...]
     num_model_layers: int
+    unplanned_gaps: bool = False
 
     def __post_init__(self) -> None:
         perm = np.asarray(self.expert_permutation)
@@ -167,6 +174,8 @@ class EnginePlacement:
             bundle.ep_size,
             idx,
             num_model_layers if num_model_layers is not None else max(idx) + 1,
+            # a profiled trace names every MoE layer of the model; a counts table some
+            unplanned_gaps=bundle.meta.source.startswith(COUNTS_SOURCE),
         )
 
     @classmethod
@@ -198,8 +207,22 @@ def sglang_expert_location(placement: EnginePlacement) -> dict[str, Any]:
     return {"physical_to_logical_map": rows}
 
 
+def _every_moe_layer(placement: EnginePlacement, engine: str) -> None:
+    """InputError if the plan may leave MoE layers out (``unplanned_gaps`` with layers
+    missing between its own): the formats that list MoE layers only would misplace it."""
+    idx = placement.moe_layer_indices
+    if placement.unplanned_gaps and idx and list(idx) != list(range(idx[0], idx[-1] + 1)):
+        raise InputError(
+            f"{engine}: the plan was fitted from counts of model layers {list(idx)} only; the "
+            f"{engine} file lists every MoE layer in order, so the layers between would get "
+            "the wrong plan or none (profile every MoE layer, or export sglang, whose rows "
+            "keep the default layout where no layer was planned)"
+        )
+
+
 def vllm_ascend_expert_map(placement: EnginePlacement) -> dict[str, Any]:
     """vllm-ascend expert map: per MoE layer, per device, the logical ids by local slot."""
+    _every_moe_layer(placement, "vllm-ascend")
     per, e = placement.experts_per_device, placement.ep_size
     layers = []
     for moe_layer, slots in enumerate(placement.expert_permutation.tolist()):
@@ -212,6 +235,7 @@ def vllm_ascend_expert_map(placement: EnginePlacement) -> dict[str, Any]:
 
 def trtllm_load_balancer(placement: EnginePlacement) -> dict[str, Any]:
     """TensorRT-LLM ``MoeLoadBalancerConfig`` fields, keyed by model layer index."""
+    _every_moe_layer(placement, "trtllm")
     return {
         "num_slots": placement.num_experts,
         "layer_updates_per_iter": 0,

@@ -38,6 +38,7 @@ from planner.errors import InputError, SchemaError
 from planner.trace.io import read_columns
 from planner.trace.schema import (
     COUNTS_COLUMNS,
+    COUNTS_SOURCE,
     META_KEY,
     CountsMeta,
     TraceMeta,
@@ -518,7 +519,8 @@ def read_counts_table(
         top_k=shape["top_k"],
         vocab_size=shape["vocab_size"],
         moe_layer_indices=tuple(int(x) for x in layer_values),
-        source=f"counts table {path.name}" + (f" domains={','.join(domains)}" if domains else ""),
+        source=f"{COUNTS_SOURCE} {path.name}"
+        + (f" domains={','.join(domains)}" if domains else ""),
     )
     check_vocab_fits(meta, str(path))
     out = counts_from_triples(meta, moe_index, token, expert, count)

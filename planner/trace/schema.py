@@ -29,6 +29,11 @@ META_KEY = b"moeplan"
 REQUIRED_COLUMNS = ("request_id", "position", "token_id", "experts", "weights")
 
 
+# How a model fitted from a counts table names its source (TraceMeta.source): its layers
+# are those the table counted, perhaps not all the model's MoE layers (planner.export.engines).
+COUNTS_SOURCE = "counts table"
+
+
 @dataclass(frozen=True)
 class TraceMeta:
     """What a trace records: which model, and the shape of its routing.

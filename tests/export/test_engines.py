@@ -7,6 +7,7 @@ rewrite them after a deliberate format change, then review the diff.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -174,6 +175,26 @@ def test_engine_placement_refuses_bad_input():
         EnginePlacement(np.array([[0, 1, 2, 3], [0, 1, 2, 3]]), 2, (0,), 2)
     with pytest.raises(InputError, match="num_model_layers=3 is too small"):
         EnginePlacement(np.array([[0, 1, 2, 3]]), 2, (3,), 3)
+
+
+def test_a_plan_fitted_from_counts_of_some_layers_is_refused_where_only_moe_layers_are_listed():
+    # counts of model layers 0, 7 and 15 (the OLMoE/Mixtral tables): the layers between are
+    # MoE layers left unplanned; vllm-ascend gave layer 7's plan to MoE layer 1, TensorRT-LLM
+    # had no assignment for MoE layers 1-6 and 8-14. A profiled trace's gaps (the hand
+    # bundle's dense layers 0 and 2) are dense layers, and every format takes them.
+    meta = dataclasses.replace(
+        HAND_META, num_layers=3, moe_layer_indices=(0, 7, 15), source="counts table x.parquet"
+    )
+    e2d = np.stack([HAND_EXPERT_TO_DEVICE[0]] * 3)
+    bundle = make_bundle(meta, expert_to_device=e2d)
+    for name in ("vllm-ascend", "trtllm"):
+        with pytest.raises(InputError, match=r"counts of model layers \[0, 7, 15\] only"):
+            render_engine_file(name, bundle)
+    rows = json.loads(render_engine_file("sglang", bundle))["physical_to_logical_map"]
+    assert len(rows) == 16 and rows[1] == list(range(8))  # unplanned: the default layout
+    contiguous = dataclasses.replace(meta, moe_layer_indices=(3, 4, 5))
+    for name in ("vllm-ascend", "trtllm"):
+        render_engine_file(name, make_bundle(contiguous, expert_to_device=e2d))
 
 
 def test_render_from_a_bundle_uses_its_permutation(hand_bundle):
