@@ -4,7 +4,8 @@ A bundle is a directory written atomically::
 
     tables.safetensors   six tensors (below), int16 / float16 exactly
     manifest.json        format, version, model, EP size, n-gram order, method, seed,
-                         metrics, sha256 of every file, "created_by"
+                         metrics, sha256 of every file, "created_by", and (optional,
+                         since 2026-11-24) "source", where the model's layers came from
 
 With L MoE layers, N experts per layer, E = EP size, V = vocab size, n = n-gram order:
 
@@ -268,6 +269,9 @@ class Bundle:
             "model": {k: getattr(m, k) for k in MODEL_KEYS},
             "fingerprint": m.fingerprint(),
             "moe_layer_indices": list(m.moe_layer_indices),
+            # where the model's layers came from (a profiled trace, a counts table of some
+            # layers); optional, read back into TraceMeta.source (planner.export.engines)
+            "source": m.source,
             "ep_size": self.ep_size,
             "ngram_order": self.ngram_order,
             "method": self.method,
@@ -585,7 +589,7 @@ def _meta_from_manifest(path: Path, manifest: Mapping[str, Any]) -> TraceMeta:
         meta = TraceMeta(
             **{k: model[k] for k in MODEL_KEYS},
             moe_layer_indices=tuple(manifest.get("moe_layer_indices") or ()),
-            source=f"bundle {path.name}",
+            source=str(manifest["source"]) if "source" in manifest else f"bundle {path.name}",
         )
     except (SchemaError, TypeError, ValueError) as e:
         raise SchemaError(f"bundle {path}: manifest model is invalid ({e})") from None

@@ -22,6 +22,7 @@ from planner.export import (
     export_plan,
     load_bundle_arrays,
     render_engine_file,
+    save_bundle,
     verify_bundle,
     write_engine_file,
 )
@@ -177,7 +178,9 @@ def test_engine_placement_refuses_bad_input():
         EnginePlacement(np.array([[0, 1, 2, 3]]), 2, (3,), 3)
 
 
-def test_a_plan_fitted_from_counts_of_some_layers_is_refused_where_only_moe_layers_are_listed():
+def test_a_plan_fitted_from_counts_of_some_layers_is_refused_where_only_moe_layers_are_listed(
+    tmp_path,
+):
     # counts of model layers 0, 7 and 15 (the OLMoE/Mixtral tables): the layers between are
     # MoE layers left unplanned; vllm-ascend gave layer 7's plan to MoE layer 1, TensorRT-LLM
     # had no assignment for MoE layers 1-6 and 8-14. A profiled trace's gaps (the hand
@@ -192,6 +195,11 @@ def test_a_plan_fitted_from_counts_of_some_layers_is_refused_where_only_moe_laye
             render_engine_file(name, bundle)
     rows = json.loads(render_engine_file("sglang", bundle))["physical_to_logical_map"]
     assert len(rows) == 16 and rows[1] == list(range(8))  # unplanned: the default layout
+    # the manifest keeps the source, so a bundle re-exported is refused the same
+    saved = load_bundle_arrays(save_bundle(bundle, tmp_path / "b"))
+    assert saved.meta.source == "counts table x.parquet"
+    with pytest.raises(InputError, match="counts of model layers"):
+        render_engine_file("trtllm", saved)
     contiguous = dataclasses.replace(meta, moe_layer_indices=(3, 4, 5))
     for name in ("vllm-ascend", "trtllm"):
         render_engine_file(name, make_bundle(contiguous, expert_to_device=e2d))
