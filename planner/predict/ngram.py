@@ -28,7 +28,10 @@ token's device with confidence 1, and an unseen one predicted the layer's common
 confidence 0. The table therefore interpolates each order with the one below (Dirichlet
 smoothing, as in n-gram language models): ``P_j(d | c) = (count(c, d) + m P_{j-1}(d | c'))
 / (count(c) + m)``, where c' is c without its oldest layer and ``P_0`` is the layer's device
-shares; m = :data:`BACKOFF_COUNTS` pseudo-counts. Dense contexts keep their own estimate,
+shares; m = :data:`BACKOFF_COUNTS` pseudo-counts, in token occurrences (with routed
+statistics a token adds k tuples, one per routed expert, so m weighs m * k of them:
+until 2026-11-24 m counted tuples, 2/k of a token, and a context seen once by a top-8 token
+kept confidence 0.85 where the formula gives 0.5). Dense contexts keep their own estimate,
 unseen ones take the lower order's prediction and confidence. Measured on held-out halves
 (``benchmarks/compare_traces.py``, every solver's balanced LAR against the table without
 backoff): FLAME-MoE +1.5-1.9% on average at EP 16 (up to +4%) and +2.2-7.9% at EP 32 (mean
@@ -314,6 +317,9 @@ def fit_ngram_device_table(
         if layer < order or tuples.shape[0] == 0:
             continue
         shares = shares / shares.sum()  # order 0: the layer's device shares
+        # m pseudo-counts are m token occurrences: with routed statistics a token adds one
+        # tuple per routed expert (ranks 0..k-1), so m tokens weigh m * k tuples
+        m = backoff * (int(tuples[:, _RANK].max()) + 1)
         for j in range(1 if backoff > 0 else order, order + 1):
             cell = _context_rows(tuples, e2d, layer, j, ep_size) * ep_size + routed_device
             joint = np.bincount(cell, weights=weights, minlength=ep_size ** (j + 1))
@@ -321,7 +327,7 @@ def fit_ngram_device_table(
             total = joint.sum(axis=1)
             # context c backs off to its most recent j-1 devices: row c mod E**(j-1)
             lower = shares[np.arange(ep_size**j) % shares.shape[0]]
-            shares = (joint + backoff * lower) / np.maximum(total + backoff, 1e-300)[:, None]
+            shares = (joint + m * lower) / np.maximum(total + m, 1e-300)[:, None]
         # ``cell`` and ``total`` are now order n's (the loop's last step). Ties go to the
         # device of the top-1 expert (exact ties are common when k experts spread evenly
         # over devices).

@@ -178,6 +178,25 @@ def test_backoff_fills_unseen_contexts_and_tempers_rare_ones():
         fit_ngram_device_table(t, e2d, 2, backoff=-1.0)
 
 
+def test_backoff_pseudo_counts_are_tokens_under_routed_statistics():
+    """k = 2, EP 2, order 1: experts 0, 1 on device 0 and 2, 3 on device 1. Three tokens
+    route (0, 1) -> (0, 1), one (2, 3) -> (2, 0). Layer 1's shares are 7/8 and 1/8; context
+    device 1, seen once, holds half a token on each device, so with m = 2 tokens
+    P = ([0.5, 0.5] + 2 [7/8, 1/8]) / 3 = [0.75, 0.25]. Counting m in routed tuples (2/k of
+    a token) gave ([1, 1] + 2 [7/8, 1/8]) / 4 = [0.6875, 0.3125]."""
+    experts = np.array([[[0, 1], [0, 1]]] * 3 + [[[2, 3], [2, 0]]], np.int16)
+    weights = np.broadcast_to(np.array([0.6, 0.4]), experts.shape)
+    batch = TraceBatch.from_arrays(np.arange(4), np.zeros(4), np.zeros(4, np.int64), experts,
+                                   weights)  # fmt: skip
+    acc = TransitionAccumulator(2, 4)
+    acc.add(batch.experts)
+    e2d = np.array([[0, 0, 1, 1]] * 2, np.int16)
+    table = fit_ngram_device_table(acc.result(), e2d, 2, order=1, backoff=2.0)
+    assert table.to_device[1, 1] == 0
+    assert table.confidence[1, 1] == pytest.approx(0.75, abs=1e-3)
+    assert table.confidence[1, 0] == pytest.approx((3 + 2 * 7 / 8) / 5, abs=1e-3)
+
+
 @pytest.mark.parametrize("target", ["routed", "top1"])
 @pytest.mark.parametrize("order", [1, 2])
 def test_context_affinity_summed_per_device_is_the_tables_joint_count(target, order):
