@@ -221,8 +221,9 @@ def _assign_exact(
     return result.x.reshape(num_tokens, e).argmax(axis=1).astype(np.int64)
 
 
-def heavy_fill_loads(freq: np.ndarray, room: np.ndarray) -> np.ndarray:
-    """[J, E] the load token j counts for on device d when a token heavier than a device's
+def heavy_fill_loads(freq: np.ndarray, room: np.ndarray | float) -> np.ndarray:
+    """[J, E] (or [J, 1] for one ``room`` shared by every device) the load token j counts
+    for on device d when a token heavier than a device's
     room may fill it alone: ``min(a_j, room_d)`` (``a_j`` where the room is not positive, so
     a full device stays full). Under ``sum_j load[j, d] y[j, d] <= room_d`` such a token
     takes its device to its cap and shares it with load-free tokens only: the tightest rule
@@ -230,7 +231,7 @@ def heavy_fill_loads(freq: np.ndarray, room: np.ndarray) -> np.ndarray:
     (when several tokens near the cap leave none, the slack rule of
     :mod:`planner.solve.problem` is what is left)."""
     freq = np.asarray(freq, dtype=np.float64)[:, None]
-    room = np.asarray(room, dtype=np.float64)[None, :]
+    room = np.atleast_1d(np.asarray(room, dtype=np.float64))[None, :]
     return np.where(room > 0, np.minimum(freq, room), freq)
 
 

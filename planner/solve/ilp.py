@@ -88,7 +88,7 @@ from pulp.apis import coin_api
 from planner._io import atomic_path
 from planner.errors import InfeasibleError, InputError
 from planner.solve import highs_child
-from planner.solve.assign import shift_to_one
+from planner.solve.assign import heavy_fill_loads, shift_to_one
 from planner.solve.common import assign_for_problem, check_options, device_gains, finish
 from planner.solve.problem import LOAD_RTOL, LayerPlacement, LayerProblem, SolverConfig
 
@@ -248,7 +248,7 @@ def build_program(
 
     ``capacity`` overrides the token cap of "cap" mode (default ``problem.capacity``).
     ``heavy_fill`` counts each token's load as at most the cap, so a token heavier than the
-    cap may fill a device alone (:func:`planner.solve.assign.heavy_fill_loads`).
+    cap may fill a device alone (:func:`~planner.solve.assign.heavy_fill_loads`).
     ``start`` = (expert_to_device, token_to_device) sets every variable's initial value
     (the solver's start, :func:`_start`); it must respect the symmetry breaking.
 
@@ -289,7 +289,7 @@ def build_program(
                 local_terms.append((z, weight))
     local = pulp.LpAffineExpression(local_terms)
     if heavy_fill:
-        freq = np.minimum(freq, cap)
+        freq = heavy_fill_loads(freq, cap)[:, 0]
     loads = [
         pulp.lpSum(float(freq[j]) * y_vars[j][d] for j in range(problem.num_tokens))
         for d in range(e)
@@ -323,7 +323,9 @@ def build_program(
 def _over_cap(problem: LayerProblem, t: np.ndarray, capacity: float, heavy_fill: bool) -> bool:
     """Whether token assignment ``t`` puts more than ``capacity`` on a device (with
     ``heavy_fill``, each token counted as at most ``capacity``)."""
-    freq = np.minimum(problem.token_freq, capacity) if heavy_fill else problem.token_freq
+    freq = (
+        heavy_fill_loads(problem.token_freq, capacity)[:, 0] if heavy_fill else problem.token_freq
+    )
     loads = np.bincount(t, weights=freq, minlength=problem.ep_size)
     return bool(loads.max() > capacity * (1 + LOAD_RTOL))
 

@@ -62,16 +62,16 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
         runs[b""] = (float("nan"), contiguous, 0)
     else:
         features = expert_profiles(problem, str(opts["profile"]))
-    for _ in range(int(opts["n_init"]) if not runs else 0):
-        if runs and deadline is not None and time.perf_counter() > deadline:
-            break
-        restarts += 1
-        labels, inertia, iters = balanced_kmeans(
-            features, problem.ep_size, rng, max_iter=int(opts["max_iter"]), deadline=deadline
-        )
-        runs.setdefault(
-            canonical_labels(labels, problem.ep_size).tobytes(), (inertia, labels, iters)
-        )
+        for _ in range(int(opts["n_init"])):
+            if runs and deadline is not None and time.perf_counter() > deadline:
+                break
+            restarts += 1
+            labels, inertia, iters = balanced_kmeans(
+                features, problem.ep_size, rng, max_iter=int(opts["max_iter"]), deadline=deadline
+            )
+            runs.setdefault(
+                canonical_labels(labels, problem.ep_size).tobytes(), (inertia, labels, iters)
+            )
     # the lowest-inertia distinct clusterings go through the shared token assignment
     best = None
     for inertia, labels, iters in sorted(runs.values(), key=lambda r: r[0])[
