@@ -55,6 +55,7 @@ class _LayerTables:
         pair_counts: [nnz] int64 the counts at those keys.
         confident_size: [V] int32 experts with share >= threshold for each token row
             (of the row the token borrows when unseen).
+        occurrences: [V] float64 the layer's occurrences of each token (row sum / k).
         global_share: [N] float64 routed activations per token occurrence of each expert.
     """
 
@@ -63,6 +64,7 @@ class _LayerTables:
     pair_keys: np.ndarray
     pair_counts: np.ndarray
     confident_size: np.ndarray
+    occurrences: np.ndarray
     global_share: np.ndarray
     global_confident_size: int
 
@@ -83,7 +85,8 @@ class TokenExpertAffinity:
         counts_: L canonical CSR arrays [V, N] int64, ``T[l]``.
         top1_counts_: L CSR arrays [V, N] int64 counting rank-0 experts only, or None.
         token_counts_: [V] int64 occurrences ``a_j`` of each token in the fitting data
-            (row sums / k, averaged over layers and rounded; exact for traces).
+            (row sums / k, averaged over layers and rounded, at least 1 for a seen token;
+            exact for traces).
         seen_: [V] bool, token has counts at some layer.
         global_topk_: [L, k] int16 the layer's most popular experts, most popular first.
         global_top1_: [L] int16 the layer's most frequent rank-0 expert.
@@ -114,8 +117,12 @@ class TokenExpertAffinity:
         self.counts_ = tuple(counts.by_layer)
         self.top1_counts_ = tuple(counts.top1_by_layer) if counts.top1_by_layer else None
         activations = counts.token_activations()  # [L, V]
-        self.token_counts_ = np.rint(activations.mean(axis=0) / m.top_k).astype(np.int64)
         self.seen_ = cast(np.ndarray, (activations > 0).any(axis=0))
+        # Counts tables may count each layer on other samples (thinned counts: a token seen
+        # once has about half an occurrence a layer), where rounding the mean gives 0: a
+        # seen token still occurs, and a solver must not read it as weighing nothing.
+        occurrences = np.rint(activations.mean(axis=0) / m.top_k).astype(np.int64)
+        self.token_counts_ = np.where(self.seen_, np.maximum(occurrences, 1), 0)
         self.load_ = counts.load()
         self.global_topk_ = np.stack(
             [_rank_experts(load)[: m.top_k] for load in self.load_]
@@ -286,8 +293,11 @@ class TokenExpertAffinity:
             pos = np.minimum(np.searchsorted(t.pair_keys, keys), t.pair_keys.shape[0] - 1)
             found = t.pair_keys[pos] == keys
             counts[found] = t.pair_counts[pos[found]]
-        occ = self.token_counts_[np.maximum(rows, 0)].astype(np.float64)
+        occ = t.occurrences[np.maximum(rows, 0)]
         share = np.divide(counts, occ[:, None], out=np.zeros(keys.shape), where=occ[:, None] > 0)
+        # at most 1: a counts table's thinned row may count an expert more often than the
+        # layer's occurrences estimated from it (exact, and so never above 1, for a trace)
+        np.minimum(share, 1.0, out=share)
         glob = rows < 0
         share[glob] = t.global_share[e[glob]]
         return share
@@ -353,8 +363,10 @@ class TokenExpertAffinity:
         topk[fallback] = self.global_topk_[layer]
         top1[fallback] = self.global_top1_[layer]
 
-        occ = self.token_counts_.astype(np.float64)
-        share = data / np.maximum(occ[rows], 1.0)
+        # the layer's own occurrences (row sum / k): a_j for a trace, and the right base for
+        # counts tables that count each layer on other samples
+        occ = np.bincount(rows, weights=data, minlength=v) / k
+        share = data / np.maximum(occ[rows], 1e-300)
         confident = rows[share >= self.confident_threshold]
         global_share = load / max(float(occ.sum()), 1.0)
         return _LayerTables(
@@ -363,6 +375,7 @@ class TokenExpertAffinity:
             pair_keys=pair_keys,
             pair_counts=data.astype(np.int64, copy=False),  # the counts' own array
             confident_size=np.bincount(confident, minlength=v).astype(np.int32),
+            occurrences=occ,
             global_share=global_share,
             global_confident_size=int((global_share >= self.confident_threshold).sum()),
         )

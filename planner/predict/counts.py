@@ -346,7 +346,8 @@ def _to_csr(keys: np.ndarray, counts: np.ndarray, meta: TraceMeta) -> sparse.csr
 def counts_from_triples(
     meta: TraceMeta, layer: np.ndarray, token_id: np.ndarray, expert: np.ndarray, count: np.ndarray
 ) -> TokenExpertCounts:
-    """Counts from (MoE layer index, token, expert, count) rows; duplicates are summed.
+    """Counts from (MoE layer index, token, expert, count) rows; duplicates are summed,
+    rows of count 0 dropped.
 
     Assumes validated ids: ``0 <= layer < L``, ``0 <= token_id < V``, ``0 <= expert < N``.
     """
@@ -362,6 +363,7 @@ def counts_from_triples(
             shape=(v, n),
         ).tocsr()
         mat.sum_duplicates()
+        mat.eliminate_zeros()  # a row of count 0 is no activation (and saved, no predictor)
         mat.sort_indices()
         mats.append(sparse.csr_array(mat))
     return TokenExpertCounts(meta, tuple(mats))

@@ -211,3 +211,37 @@ def test_layer_problem_inputs_are_compact_and_consistent():
     assert ids.tolist() == [1, 2]
     np.testing.assert_allclose(w.sum(axis=1), [10, 4])
     np.testing.assert_allclose(a, [5, 1])
+
+
+def test_thinned_counts_keep_seen_tokens_weighing_and_shares_per_layer():
+    # Thinned counts (fit --holdout on a counts table) count each layer on other samples:
+    # a token seen once keeps about half its k activations a layer. Rounding the layers'
+    # mean occurrence gave such seen tokens a_j = 0 (a solver then read them as weighing
+    # nothing) and routed shares of 0, while the confident sets divided by max(a_j, 1).
+    from planner.predict.split import thin_counts
+
+    big_l, n, k, v = 8, 16, 4, 300
+    meta = TraceMeta(model="m", num_layers=big_l, num_experts=n, top_k=k, vocab_size=v)
+    rng = np.random.default_rng(0)
+    layer = np.repeat(np.arange(big_l), v * k)
+    token = np.tile(np.repeat(np.arange(v), k), big_l)
+    expert = np.concatenate([rng.permutation(n)[:k] for _ in range(big_l * v)])
+    counts = counts_from_triples(meta, layer, token, expert, np.ones(layer.size, np.int64))
+    fit, _ = thin_counts(counts, 0.5, seed=0)
+    aff = TokenExpertAffinity(confident_threshold=0.5).fit(fit)
+    assert (aff.token_counts_[aff.seen_] >= 1).all()
+    assert (aff.token_counts_[~aff.seen_] == 0).all()
+    _, _, a = aff.layer_problem_inputs(0)
+    assert (a > 0).all()
+    for lay in (0, big_l - 1):
+        mat = fit.by_layer[lay]
+        rows = np.repeat(np.arange(v), np.diff(mat.indptr))
+        share = aff.routed_share(rows, mat.indices[:, None].astype(np.int64), lay)[:, 0]
+        own = np.asarray(mat.sum(axis=1)).ravel() / k  # the layer's occurrences
+        want = np.minimum(mat.data / own[rows], 1.0)
+        np.testing.assert_allclose(share, want)
+        assert (share > 0).all()
+        size = aff.confident_size(np.arange(v), lay)
+        np.testing.assert_array_equal(
+            size, np.bincount(rows[mat.data / own[rows] >= 0.5], minlength=v)
+        )

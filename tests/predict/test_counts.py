@@ -242,6 +242,30 @@ def test_real_layout_selection_and_layer_mapping(tmp_path):
     assert other.meta.num_layers == 1
 
 
+def test_rows_of_count_zero_are_dropped_and_the_fitted_predictor_loads(tmp_path):
+    # A table may list a (token, expert) pair with count 0; kept as an explicit zero it
+    # was saved into the predictor, whose loader refuses non-positive counts, so `fit`
+    # wrote a predictor nothing could read.
+    from planner.predict.affinity import TokenExpertAffinity
+
+    table = pa.table({
+        "layer": pa.array([0, 0, 0, 0], pa.int16()),
+        "token_id": pa.array([1, 1, 1, 2], pa.int32()),
+        "expert": pa.array([0, 1, 2, 3], pa.int16()),
+        "count": pa.array([3, 3, 0, 2], pa.int32()),
+    })  # fmt: skip
+    path = tmp_path / "zeros.parquet"
+    pq.write_table(table, path)
+    c = read_counts_table(path, CountsSelection(num_experts=4, top_k=2, vocab_size=5))
+    assert c.by_layer[0].nnz == 3 and c.by_layer[0].data.min() > 0
+    aff = TokenExpertAffinity().fit(c)
+    back = TokenExpertAffinity.from_tensors(
+        c.meta, aff.to_tensors(), fallback=aff.fallback_, confident_threshold=0.5
+    )
+    ids = np.arange(5)
+    np.testing.assert_array_equal(back.predict_topk(ids, 0), aff.predict_topk(ids, 0))
+
+
 def test_counts_out_of_range_ids_are_refused(tmp_path):
     path = _olmoe_like(tmp_path)
     with pytest.raises(SchemaError, match="token_id 7 outside"):
