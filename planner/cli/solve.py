@@ -321,6 +321,12 @@ def comparison_table(result: dict, title: str, note: str | None = None) -> Table
             if (u := result.get("unseen_tokens")) and None not in (u["heldout"], u["expected"])
             else ""
         )
+        + (
+            "; a negative gap: the n-gram table, which chooses by context, passed the best any "
+            "token table could do (the bound is per token id, DESIGN.md)"
+            if any((g := r.get("gap_to_bound")) is not None and g < 0 for r in result["rows"])
+            else ""
+        )
         + (f"; {note}" if note else "")
     )
     return table

@@ -83,7 +83,9 @@ def token_table(
 def _gains(w: sparse.csr_matrix, expert_to_device: np.ndarray, e: int) -> np.ndarray:
     rows = np.repeat(np.arange(w.shape[0], dtype=np.int64), np.diff(w.indptr))
     key = rows * e + expert_to_device[w.indices]
-    return np.bincount(key, weights=w.data, minlength=w.shape[0] * e).reshape(-1, e)
+    # float64 even without entries (bincount of no weights is int64)
+    gain = np.bincount(key, weights=w.data, minlength=w.shape[0] * e)
+    return gain.astype(np.float64, copy=False).reshape(-1, e)
 
 
 def _check(w, token_ids, expert_to_device):

@@ -135,3 +135,26 @@ def test_ctrl_c_while_the_command_line_loads_is_one_line(monkeypatch, capsys):
         entry.run()
     assert stop.value.code == 130
     assert capsys.readouterr().err == "moeplan: interrupted while starting; nothing was written\n"
+
+
+def test_compare_table_explains_a_plan_above_the_token_bound():
+    # The bound is per token id (the best any token table can do); the n-gram table chooses
+    # per context and can pass it, where the caption says why the gap is negative.
+    from rich.console import Console
+
+    from planner.cli.solve import comparison_table
+
+    def caption(gap: float) -> str:
+        result = {
+            "rows": [{"method": "metis", "lar_balanced": 0.15, "gap_to_bound": gap}],
+            "oracle_bound": 0.15 + gap,
+            "lar_vanilla": 0.1,
+            "best_baseline": "metis",
+            "requests": 20,
+        }
+        console = Console(width=400, record=True)
+        console.print(comparison_table(result, "t"))
+        return console.export_text()
+
+    assert "passed the best any token table could do" in caption(-0.005)
+    assert "passed the best" not in caption(0.01)

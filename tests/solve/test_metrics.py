@@ -52,6 +52,17 @@ def test_balanced_equals_plain_when_within_the_cap() -> None:
     assert r["moved_share"] == 0.0
 
 
+def test_balanced_rate_of_a_layer_without_activations_is_zero() -> None:
+    # no held-out activations (a layer without load): bincount of no weights is int64,
+    # into which the per-occurrence division could not write
+    empty = sparse.csr_matrix((3, 4))
+    table = np.array([0, 1, 0, 0, 0, 0, 0, 0, 0, 0])
+    r = metrics.balanced_local_rate(
+        empty, np.array([1.0, 0.0, 2.0]), IDS, X, table, np.zeros(10), 2
+    )
+    assert r["lar"] == 0.0 and r["lar_balanced"] == 0.0
+
+
 def test_oracle_bounds_every_solver() -> None:
     problem = random_problem(300, 16, 4, top_k=4, seed=9, noise=0.3)
     bound = metrics.oracle_bound(problem.affinity, problem.experts_per_device)
