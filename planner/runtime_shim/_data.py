@@ -51,6 +51,24 @@ def unwrap_id(value: int, dtype: torch.dtype) -> int:
     return value + 2**64 if dtype == torch.uint64 and value < 0 else value
 
 
+def overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory (an expanded buffer, stride 0).
+
+    Exact when the dimensions, taken by stride, each step past everything before them; a
+    layout that does not (elements may interleave) counts as overlapping.
+    """
+    if t.numel() <= 1 or t.is_contiguous():
+        return False
+    span = 0  # elements reached by the dimensions taken so far, beyond the first
+    for stride, size in sorted(
+        (abs(st), sz) for st, sz in zip(t.stride(), t.shape, strict=True) if sz > 1
+    ):
+        if stride <= span:
+            return True
+        span += stride * (size - 1)
+    return False
+
+
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` may share memory (an out= buffer and the gather's input).
 
@@ -84,10 +102,13 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 # Integer dtypes of each element size: rows are moved as bits, whatever the float format.
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Unsigned integers wider than a byte, which CPU torch cannot index_fill either.
+_UNSIGNED_WIDE = (torch.uint16, torch.uint32, torch.uint64)
 
 
 def bit_view(x: torch.Tensor) -> torch.Tensor:
-    """``x`` viewed as same-size integers (shape and strides kept) when it is floating.
+    """``x`` viewed as same-size integers (shape and strides kept) when it is floating (or
+    unsigned and wider than a byte).
 
     A gather copies bits, so moving a float tensor's rows as integers is exact (NaN payloads
     and -0.0 included) and works for every float format: fp8, which CPU torch cannot
@@ -95,6 +116,6 @@ def bit_view(x: torch.Tensor) -> torch.Tensor:
     Padding rows are zero bits: +0.0 in the IEEE formats and fp8 e4m3 / e5m2 (in e8m0, a
     scale format with no zero, they read 2**-127).
     """
-    if x.is_floating_point():
+    if x.is_floating_point() or x.dtype in _UNSIGNED_WIDE:
         return x.view(_BITS[x.element_size()])
     return x

@@ -18,7 +18,7 @@ import os
 import torch
 
 from planner.errors import InputError
-from planner.runtime_shim._data import bit_view, overlaps, require_data
+from planner.runtime_shim._data import bit_view, overlaps, overlaps_itself, require_data
 
 try:
     import triton
@@ -146,6 +146,8 @@ def gather_rows(
         )
     elif hidden > 1 and out.stride(1) != 1:
         raise InputError("out rows must be contiguous (column stride 1)")
+    elif overlaps_itself(out):  # rows aliasing one another: which write lands is undefined
+        raise InputError("out rows share memory (an expanded buffer?); pass a separate buffer")
     elif overlaps(out, src):  # programs would read rows that others already overwrote
         raise InputError("out overlaps src in memory; pass a separate buffer")
     if num_rows == 0 or hidden == 0:

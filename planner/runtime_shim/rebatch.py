@@ -40,6 +40,7 @@ from planner.runtime_shim._data import (
     bit_view,
     holds_integers,
     overlaps,
+    overlaps_itself,
     require_data,
     require_tensor,
     unwrap_id,
@@ -210,6 +211,8 @@ def _check_out(
             f"out must be {shape} {like.dtype} on {like.device}, "
             f"got {tuple(out.shape)} {out.dtype} on {out.device}"
         )
+    if overlaps_itself(out):  # torch refuses it; under Triton which write lands is undefined
+        raise InputError("out rows share memory (an expanded buffer?); pass a separate buffer")
     if overlaps(out, like):  # torch refuses it; the Triton kernel would read rows it wrote
         raise InputError(
             f"out overlaps {like_name} in memory; the gather cannot run in place, pass a "
@@ -242,6 +245,8 @@ def apply_rebatch(
     _check_out(out, shape, hidden, "hidden")
     index = info.slot_to_token.to(hidden.device)
     if _differentiable(hidden, out):
+        if info.num_tokens == 0:  # no row 0 to read for the padding: zeros, still linked
+            return hidden.sum() * 0 + hidden.new_zeros(shape)
         padding = (index < 0).unsqueeze(1)
         return hidden.index_select(0, index.clamp(min=0)).masked_fill(padding, 0)
     if _use_triton(hidden, backend):

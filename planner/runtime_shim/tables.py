@@ -122,13 +122,13 @@ def online_candidates(
             "token_device, token_confidence, ngram_device and ngram_confidence must have "
             f"the same shape, got {shapes}"
         )
-    td, nd, tc, nc = td.to(torch.int64), nd.to(torch.int64), tc.float(), nc.float()
+    td, nd, tc, nc = td.to(torch.int64), nd.to(torch.int64), _ranked(tc), _ranked(nc)
     use_ngram = (nc > tc) & (nd >= 0)
     device = torch.where(use_ngram, nd, td)
-    confidence = torch.where(use_ngram, nc, tc)
+    confidence = torch.where(use_ngram, nc, tc).float()
     second = torch.where(use_ngram, td, torch.where(nc > 0, nd, -1))
     second = torch.where(second == device, -1, second)
-    second_conf = torch.where(use_ngram, tc, nc)
+    second_conf = torch.where(use_ngram, tc, nc).float()
     return tuple(_back(x, to_np) for x in (device, confidence, second, second_conf))
 
 
@@ -199,7 +199,7 @@ def assign_with_capacity(
             )
         _check_device_ids(alt, e, "second", allow_none=True)
         _check_confidence(alt_conf, "second_confidence")
-        alt, alt_conf = alt.to(torch.int64), alt_conf.float()
+        alt, alt_conf = alt.to(torch.int64), _ranked(alt_conf)
     squeeze = dev.dim() == 1
     if squeeze:
         dev, conf = dev[None], conf[None]
@@ -212,8 +212,18 @@ def assign_with_capacity(
             f"{t} tokens cannot fit {e} devices x capacity {c}; raise the capacity to at "
             f"least {math.ceil(t / e)}"
         )
-    out = _assign_rows(dev.to(torch.int64), conf.float(), c, e, alt, alt_conf)
+    out = _assign_rows(dev.to(torch.int64), _ranked(conf), c, e, alt, alt_conf)
     return _back(out[0] if squeeze else out, to_np)
+
+
+def _ranked(confidence: torch.Tensor) -> torch.Tensor:
+    """Confidences to rank and compare: float64 and integers of 4 bytes or more as float64
+    (float32 would make ties of values closer than its precision, and ties go by
+    position), the narrower types as float32, which holds them exactly."""
+    wide = confidence.dtype == torch.float64 or (
+        not confidence.dtype.is_floating_point and confidence.element_size() >= 4
+    )
+    return confidence.double() if wide else confidence.float()
 
 
 def _check_device_ids(dev: torch.Tensor, e: int, name: str, allow_none: bool = False) -> None:
@@ -257,7 +267,7 @@ def _assign_rows(
     alt: torch.Tensor | None = None,
     alt_conf: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`assign_with_capacity` on validated [R, T] int64 / float32 tensors."""
+    """:func:`assign_with_capacity` on validated [R, T] int64 / float tensors."""
     rows, t = dev.shape
     torch_dev = dev.device
     row = torch.arange(rows, device=torch_dev).repeat_interleave(t)

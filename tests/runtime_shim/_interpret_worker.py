@@ -123,6 +123,10 @@ def check_validation() -> None:
         "out is src": lambda: kernels.gather_rows(src, torch.tensor([3, 2, 1, 0]), src),
         "out inside src": lambda: kernels.gather_rows(src, torch.tensor([3, 2]), src[1:3]),
         "rebatch into hidden": lambda: rebatch(src, torch.tensor([1, 0, 1, 0]), 2, out=src),
+        # rows of out aliasing one another (expanded): every row held the last one written
+        "expanded out": lambda: kernels.gather_rows(
+            src, torch.tensor([0, 1, 2]), torch.zeros(1, 3).expand(3, 3)
+        ),
         # the kernel has no backward: the result silently had no grad_fn
         "src requires grad": lambda: kernels.gather_rows(
             torch.zeros((4, 3), requires_grad=True), torch.tensor([0])

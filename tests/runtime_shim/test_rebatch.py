@@ -123,6 +123,31 @@ def test_empty_batch():
     assert resume(padded, info).shape == (0, 3)
 
 
+def test_empty_batch_with_grad_and_a_fixed_chunk():
+    # a fixed chunk (CUDA graphs) in training mode: the differentiable gather read row 0
+    # of a tensor without rows for the padding slots
+    x = torch.empty(0, 3, requires_grad=True)
+    padded, info = rebatch(x, torch.zeros(0, dtype=torch.int64), 2, chunk_rows=2)
+    assert torch.equal(padded, torch.zeros(4, 3)) and padded.requires_grad
+    padded.sum().backward()
+    assert x.grad is not None and x.grad.shape == (0, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+def test_wide_unsigned_rows_are_padded(dtype):
+    # CPU torch has no index_fill for them: they failed only when a device had padding
+    x = torch.arange(8).reshape(4, 2).to(dtype)
+    shuffled, info = rebatch(x, torch.tensor([1, 0, 1, 1]), 2, backend="torch")
+    assert shuffled.to(torch.int64).tolist() == [[2, 3], [0, 0], [0, 0], [0, 1], [4, 5], [6, 7]]
+    assert torch.equal(resume(shuffled, info), x)
+
+
+def test_an_out_whose_rows_alias_is_refused():
+    out = torch.zeros(1, 2).expand(6, 2)
+    with pytest.raises(InputError, match="share memory"):
+        rebatch(torch.arange(8.0).reshape(4, 2), torch.tensor([1, 0, 1, 1]), 2, out=out)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_gradients_flow_through_rebatch_and_resume(backend):
     # inside a model's forward with grad on: the torch path's out= gather has no backward

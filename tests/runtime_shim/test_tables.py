@@ -569,3 +569,13 @@ def test_load_bundle_refuses_a_path_that_is_not_a_path(tmp_path):
             load_bundle(bad)
     with pytest.raises(InputError, match="no such directory"):  # as other bad paths
         load_bundle(tmp_path / "missing")
+
+
+def test_confidences_rank_at_their_own_precision():
+    # float64 (numpy's default) or wide integer confidences closer than float32 resolves
+    # were ties, broken by position instead of by confidence
+    dev = np.array([0, 0])
+    for conf in (np.array([0.5, 0.5 + 1e-9]), np.array([2**40, 2**40 + 1], np.int64)):
+        assert assign_with_capacity(dev, conf, capacity=1, num_devices=2).tolist() == [1, 0]
+    device, _ = online_choice(np.array([0]), np.array([0.9]), np.array([1]), np.array([0.9 + 1e-9]))
+    assert device.tolist() == [1]
