@@ -244,12 +244,13 @@ def apply_rebatch(
     shape = (info.padded_rows, hidden.shape[1])
     _check_out(out, shape, hidden, "hidden")
     index = info.slot_to_token.to(hidden.device)
+    triton_path = _use_triton(hidden, backend)  # checks the name on every path
     if _differentiable(hidden, out):
         if info.num_tokens == 0:  # no row 0 to read for the padding: zeros, still linked
             return hidden.sum() * 0 + hidden.new_zeros(shape)
         padding = (index < 0).unsqueeze(1)
         return hidden.index_select(0, index.clamp(min=0)).masked_fill(padding, 0)
-    if _use_triton(hidden, backend):
+    if triton_path:
         return kernels.gather_rows(hidden.contiguous(), index, out, check_index=False)
 
     if out is None:

@@ -142,6 +142,12 @@ def test_wide_unsigned_rows_are_padded(dtype):
     assert torch.equal(resume(shuffled, info), x)
 
 
+def test_an_unknown_backend_is_refused_with_grad_on_too():
+    x = torch.randn(4, 2, requires_grad=True)
+    with pytest.raises(InputError, match="backend"):
+        rebatch(x, torch.tensor([1, 0, 1, 1]), 2, backend="bogus")
+
+
 def test_an_out_whose_rows_alias_is_refused():
     out = torch.zeros(1, 2).expand(6, 2)
     with pytest.raises(InputError, match="share memory"):
