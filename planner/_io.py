@@ -12,11 +12,37 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 from planner.errors import InputError, MoeplanError
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM back until the block ends, so that renames that belong
+    together all happen: two outputs that must match (a split's two sides) are never left
+    one new, one old by Ctrl-C. A signal that arrives meanwhile is raised again at the end,
+    to the handler it would have met. Python runs signal handlers in the main thread only,
+    whichever thread the signal reached (blocking it there alone would not do), so
+    elsewhere this holds nothing back.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    held = (signal.SIGINT, signal.SIGTERM)
+    before = {s: signal.signal(s, lambda signum, _frame: pending.append(signum)) for s in held}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():  # None: set outside Python, the default
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        for signum in dict.fromkeys(pending):
+            signal.raise_signal(signum)
 
 
 @contextlib.contextmanager

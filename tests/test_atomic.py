@@ -286,3 +286,52 @@ def test_folders_made_for_an_output_that_failed_are_removed(tmp_path):
     with atomic_path(dest) as tmp:
         tmp.write_text("{}")
     assert json.loads(dest.read_text()) == {}
+
+
+def test_signals_wait_for_the_end_of_a_deferred_block():
+    import signal
+
+    from planner._io import signals_deferred
+
+    seen: list[str] = []
+    previous = signal.signal(signal.SIGTERM, lambda *_: seen.append("handled"))
+    try:
+        with signals_deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            seen.append("block done")
+        seen.append("after")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert seen == ["block done", "handled", "after"]
+
+
+def test_split_commits_both_sides_with_signals_held(tmp_path, monkeypatch):
+    # Ctrl-C between the two sides' renames left a new held-out side next to an old
+    # fitting side; both renames now happen inside signals_deferred
+    import contextlib
+
+    from planner.predict import split as split_module
+    from planner.trace.synth import SynthConfig, synthesize
+
+    events: list[str] = []
+    real_replace = os.replace
+
+    @contextlib.contextmanager
+    def watched():
+        events.append("hold")
+        yield
+        events.append("release")
+
+    def replace(a, b):
+        events.append(f"rename {Path(b).name}")
+        real_replace(a, b)
+
+    trace = tmp_path / "t"
+    synthesize(SynthConfig(num_layers=2, num_tokens=400, num_requests=8), trace)
+    monkeypatch.setattr(split_module, "signals_deferred", watched)
+    monkeypatch.setattr(os, "replace", replace)
+    split_module.split_trace(trace, tmp_path / "fit", tmp_path / "held", 0.5, seed=0)
+    renames = [e for e in events if e in ("rename fit", "rename held")]
+    assert sorted(renames) == ["rename fit", "rename held"]
+    assert events.index("hold") < events.index(renames[0])
+    assert events.index(renames[-1]) < events.index("release")

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ import numpy as np
 from scipy import sparse
 
 from planner._checks import is_integer
-from planner._io import atomic_path, check_output
+from planner._io import atomic_path, check_output, signals_deferred
 from planner.errors import InputError
 from planner.predict.counts import TokenExpertCounts
 from planner.trace.io import EMBEDDINGS_FILE, PART_GLOB, TRACE_MEMBERS, TraceWriter, open_trace
@@ -221,7 +222,11 @@ def _write_sides(trace, fit_out, heldout_out, heldout_mask) -> dict:
         )
     counts = {"fit": 0, "heldout": 0}
     requests: dict[str, set] = {"fit": set(), "heldout": set()}
-    with atomic_path(fit_out) as fit_tmp, atomic_path(heldout_out) as held_tmp:
+    # the last context to exit: from when both sides are written until both are renamed
+    # into place, Ctrl-C and SIGTERM wait (a fitting side left from an earlier split with
+    # a new held-out side would share requests with it)
+    commit = contextlib.ExitStack()
+    with commit, atomic_path(fit_out) as fit_tmp, atomic_path(heldout_out) as held_tmp:
         writers = {
             "fit": TraceWriter(fit_tmp, trace.meta),
             "heldout": TraceWriter(held_tmp, trace.meta),
@@ -238,6 +243,7 @@ def _write_sides(trace, fit_out, heldout_out, heldout_mask) -> dict:
         if embeddings is not None and embeddings.is_file():
             for tmp in (fit_tmp, held_tmp):
                 shutil.copyfile(embeddings, Path(tmp) / EMBEDDINGS_FILE)
+        commit.enter_context(signals_deferred())
     return {
         "fit_tokens": counts["fit"],
         "heldout_tokens": counts["heldout"],
