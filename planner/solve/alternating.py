@@ -50,11 +50,12 @@ DEFAULTS: dict[str, object] = {
     "swap_rounds": 200,  # random swap trials after each expert step
     "init_rounds": 10,  # balanced spherical k-means rounds of the initial token clusters
 }
+KINDS = {"init_rounds": "count+"}  # the initial clusters take at least one round
 
 
 def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     started = time.perf_counter()
-    opts = check_options("alternating", config.for_method("alternating"), DEFAULTS)
+    opts = check_options("alternating", config.for_method("alternating"), DEFAULTS, KINDS)
     deadline = config.deadline(started)
     rng = np.random.default_rng(config.seed)
     e, per = problem.ep_size, problem.experts_per_device
@@ -66,6 +67,7 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     iterations = 0
     for iterations in range(1, int(opts["iterations"]) + 1):  # noqa: B007
         if deadline is not None and time.perf_counter() > deadline:
+            iterations -= 1  # this one did not run
             break
         scores = expert_scores(problem, t)
         x = _expert_step(problem, scores, coact, opts)

@@ -124,7 +124,8 @@ def rebalance_tokens(
 
     Returns:
         [J] a placement within the cap (penalty mode: returned unchanged). Evicted tokens are
-        placed by :func:`assign_tokens` in the room left.
+        placed by :func:`assign_tokens` in the room left; where they do not fit it, every
+        token is placed afresh by :func:`assign_tokens` if that loads devices less.
     """
     if problem.balance != "cap":
         return token_to_device
@@ -143,6 +144,14 @@ def rebalance_tokens(
     t[evict] = assign_tokens(
         gain[evict], freq[evict], np.maximum(cap - keep_loads, 0.0)
     ).token_to_device
+    over = np.bincount(t, weights=freq, minlength=e).max()
+    if over > cap * (1 + LOAD_RTOL):
+        # The evicted tokens did not fit the room the kept ones left: a token heavier than
+        # the cap (it must fill a device alone, not join kept tokens) or a tight beta. Every
+        # token placed afresh by the shared assignment, where that is better balanced.
+        fresh = assign_tokens(gain, freq, cap).token_to_device
+        if np.bincount(fresh, weights=freq, minlength=e).max() < over:
+            return fresh
     return t
 
 

@@ -45,6 +45,27 @@ def test_rebalance_keeps_the_priority_tokens() -> None:
     assert t[np.argmax(problem.token_freq)] == 0  # the top-priority token stayed
 
 
+def test_rebalance_places_afresh_where_the_evicted_tokens_do_not_fit() -> None:
+    from planner.solve.problem import LayerProblem
+
+    # a token heavier than the cap (20 > 18.7) was stacked with kept tokens on a partly
+    # filled device (loads 6 and 28), where it can fill a device alone (14 and 20)
+    freq = np.array([20.0, 3, 3, 3, 3, 2])
+    w = np.zeros((6, 4))
+    w[0, 2:] = 20.0
+    w[1:, :2] = freq[1:, None]
+    problem = LayerProblem(w, freq, 2)
+    gain = common.device_gains(problem, np.array([0, 0, 1, 1]))
+    t = common.rebalance_tokens(problem, np.array([1, 1, 1, 0, 0, 0]), gain, priority=-freq)
+    assert sorted(np.bincount(t, weights=freq, minlength=2).tolist()) == [14.0, 20.0]
+    # beta 1: keeping each device's first tokens left 27 and 37 where 32 and 32 exist
+    freq = np.array([15.0, 10, 10, 17, 12])
+    problem = LayerProblem(np.ones((5, 2)), freq, 2, beta=1.0)
+    gain = common.device_gains(problem, np.array([0, 1]))
+    t = common.rebalance_tokens(problem, np.array([0, 0, 1, 1, 1]), gain, priority=freq)
+    assert np.bincount(t, weights=freq, minlength=2).tolist() == [32.0, 32.0]
+
+
 def test_device_gains_and_expert_scores_agree() -> None:
     problem = random_problem(50, 8, 4, seed=2)
     rng = np.random.default_rng(0)

@@ -324,3 +324,15 @@ def test_compare_without_a_baseline_says_so(predictor_dir, capsys):
     assert main([*args, "--methods", "ceo,vanilla"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "no baseline among the methods" in out and "best baseline None" not in out
+
+
+def test_alternating_counts_only_the_iterations_it_ran_and_refuses_zero_init_rounds():
+    from planner.solve import alternating
+    from planner.solve.problem import SolverConfig
+    from tests.solve.instances import random_problem
+
+    problem = random_problem(200, 8, 2, seed=1)
+    placement = alternating.solve(problem, SolverConfig(seed=0, time_limit=1e-9))
+    assert placement.info["iterations"] == 0  # the clock ran out before the first
+    with pytest.raises(InputError, match="init_rounds"):
+        alternating.solve(problem, SolverConfig(options={"alternating": {"init_rounds": 0}}))
