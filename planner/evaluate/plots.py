@@ -25,6 +25,10 @@ from planner._io import atomic_path, check_output
 from planner.errors import InputError
 
 FORMATS = (".png", ".svg", ".pdf")
+# Written into each figure's metadata (PNG "Software", SVG and PDF "Creator", all stored
+# as plain text): a file that does not carry it is a user's, which --plot never replaces.
+PLOT_TAG = "moeplan plot"
+_TAG_KEY = {".png": "Software", ".svg": "Creator", ".pdf": "Creator"}
 
 
 def _pyplot():
@@ -40,7 +44,9 @@ def _save(fig: Any, dest: str | os.PathLike) -> Path:
     check_plot_path(dest)
     path = Path(dest)
     with atomic_path(path) as tmp:
-        fig.savefig(tmp, format=path.suffix.lower()[1:], dpi=120, bbox_inches="tight")
+        suffix = path.suffix.lower()
+        fig.savefig(tmp, format=suffix[1:], dpi=120, bbox_inches="tight",
+                    metadata={_TAG_KEY[suffix]: PLOT_TAG})  # fmt: skip
     _pyplot().close(fig)
     return path
 
@@ -50,7 +56,20 @@ def check_plot_path(dest: str | os.PathLike, inputs: tuple = ()) -> None:
     file cannot be written to (a directory, under a file, inside one of the ``inputs``)."""
     if Path(dest).suffix.lower() not in FORMATS:
         raise InputError(f"--plot {dest}: the file name must end in {', '.join(FORMATS)}")
-    check_output(dest, marker=None, what="plot", inputs=inputs)
+    path = check_output(dest, marker=None, what="plot", inputs=inputs)
+    if path.is_file() and path.stat().st_size and not _is_our_plot(path):
+        raise InputError(
+            f"--plot {dest}: exists and is not a figure moeplan drew; choose another name "
+            "(or remove it first)"
+        )
+
+
+def _is_our_plot(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return PLOT_TAG.encode() in f.read(1 << 26)
+    except OSError:
+        return False
 
 
 def plot_comparison(result: dict, dest: str | os.PathLike, title: str = "") -> Path:

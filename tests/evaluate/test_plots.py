@@ -22,6 +22,13 @@ def test_evaluation_figure(tmp_path, suffix):
     out = plot_evaluation(report, tmp_path / f"sub/eval{suffix}")
     assert out.read_bytes().startswith(MAGIC[suffix])
     assert [p.name for p in out.parent.iterdir()] == [out.name]  # no temporary left
+    assert plot_evaluation(report, out) == out  # its own figure it replaces
+    # a user's file of that name is never replaced (it was, silently)
+    mine = tmp_path / f"paper{suffix}"
+    mine.write_bytes(MAGIC[suffix] + b" a user's document")
+    with pytest.raises(InputError, match="not a figure moeplan drew"):
+        plot_evaluation(report, mine)
+    assert mine.read_bytes() == MAGIC[suffix] + b" a user's document"
 
 
 @pytest.mark.parametrize("bound", [0.85, None])  # None: no held-out token id is known
