@@ -40,6 +40,7 @@ from rich.table import Table
 
 from planner._checks import is_bool, is_integer
 from planner._io import (
+    artifact_holding,
     atomic_path,
     check_parents,
     read_json_object,
@@ -451,7 +452,7 @@ def profile_model(
         "prompts": str(Path(prompts_path).resolve()),
         "prompts_sha256": sha256_file(prompts_path),
     }
-    with _claim_out_dir(out):
+    with _claim_out_dir(out, inputs=(model_dir, prompts_path)):
         done, before = _prepare_out_dir(out, config.resume, settings)
         todo = [p for p in prompts if p.index not in done]
 
@@ -513,15 +514,29 @@ def profile_model(
 
 
 @contextlib.contextmanager
-def _claim_out_dir(out: Path) -> Iterator[None]:
+def _claim_out_dir(out: Path, inputs: tuple = ()) -> Iterator[None]:
     """Hold ``out`` while this run writes it: an exclusive lock (``flock``) on the directory,
     made if missing, so that a second ``profile`` into it at the same time is refused
     instead of mixing two runs' parts and settings. The lock ends with the process, so a
     killed run leaves none behind. A directory this run made is removed if the run fails
-    before writing anything into it.
+    before writing anything into it. An ``out`` inside one of the run's ``inputs`` (the
+    model, the prompts), holding one, or inside another moeplan artifact is refused.
     """
     # Refused before any work: the directory could not be made once the model is loaded.
     check_parents(out)
+    here = out.resolve()
+    for given in inputs:
+        source = Path(given).resolve()
+        if here == source or here in source.parents or source in here.parents:
+            raise InputError(
+                f"output {str(out)!r}: the run reads its input {given} there; choose another --out"
+            )
+    owner = artifact_holding(out)
+    if owner is not None:
+        raise InputError(
+            f"output {str(out)!r} is inside the {owner}; writing there would change it; "
+            "choose another --out"
+        )
     if out.is_symlink() and not out.exists():
         raise InputError(
             f"output {str(out)!r} is a symbolic link to {os.readlink(out)!r}, which does not "

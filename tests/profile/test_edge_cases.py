@@ -85,6 +85,19 @@ def test_out_under_a_file_is_refused_before_loading(model_dirs, prompts, tmp_pat
     assert prompts.is_file()
 
 
+def test_out_inside_the_model_or_another_artifact_is_refused(model_dirs, prompts, tmp_path, capsys):
+    model = model_dirs["olmoe"]
+    line = _error_line(capsys, ["profile", "--model", str(model), "--prompts", str(prompts),
+                                "--out", str(model / "trace")])  # fmt: skip
+    assert "reads its input" in line and not (model / "trace").exists()
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "manifest.json").write_text('{"format": "moeplan-bundle"}')
+    line = _error_line(capsys, ["profile", "--model", str(model), "--prompts", str(prompts),
+                                "--out", str(bundle / "trace")])  # fmt: skip
+    assert "inside the moeplan bundle" in line and not (bundle / "trace").exists()
+
+
 def test_out_that_is_a_dangling_symlink_is_refused(model_dirs, prompts, tmp_path, capsys):
     link = tmp_path / "link"
     link.symlink_to(tmp_path / "gone")
