@@ -40,9 +40,9 @@ def test_sizes_given_as_bools_are_refused_by_the_apis(tmp_path):
     from planner.predict.neural import NeuralConfig
     from planner.trace.ingest_sglang import convert_sglang
 
-    with pytest.raises(InputError, match="batch_rows=True must be a positive integer"):
+    with pytest.raises(InputError, match=r"batch_rows=True must be an integer in \[1, 2\*\*40\]"):
         fit_predictor(tmp_path / "none.parquet", FitConfig(batch_rows=True))
-    with pytest.raises(InputError, match="batch_tokens=True must be a positive integer"):
+    with pytest.raises(InputError, match=r"batch_tokens=True must be an integer in \[1, 2\*\*40\]"):
         fit_predictor(tmp_path / "none.parquet", FitConfig(batch_tokens=True))
     with pytest.raises(InputError, match="neural embed_dim=True must be a positive integer"):
         NeuralConfig(embed_dim=True)

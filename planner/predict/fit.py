@@ -114,10 +114,10 @@ def fit_predictor(path: str | Path, config: FitConfig = FitConfig()) -> FitResul
     # the folds of the token shrinkage are drawn with seed + FOLD_SEED_OFFSET
     if check_seed(config.seed) + FOLD_SEED_OFFSET >= 2**64:
         raise InputError(f"seed {config.seed!r} must be below 2**64 - {FOLD_SEED_OFFSET}")
-    if not is_integer(config.batch_rows) or config.batch_rows < 1:
-        raise InputError(f"batch_rows={config.batch_rows!r} must be a positive integer")
-    if not is_integer(config.batch_tokens) or config.batch_tokens < 1:
-        raise InputError(f"batch_tokens={config.batch_tokens!r} must be a positive integer")
+    for name in ("batch_rows", "batch_tokens"):  # as evaluate's batch_tokens
+        value = getattr(config, name)
+        if not is_integer(value) or not 1 <= value <= 2**40:
+            raise InputError(f"{name}={value!r} must be an integer in [1, 2**40]")
     # as Python numbers: they go to the predictor's JSON as they are
     config = replace(
         config, holdout=holdout, seed=check_seed(config.seed),

@@ -470,9 +470,10 @@ class Trace:
             if meta.fingerprint() != self.meta.fingerprint():
                 raise MismatchError(
                     f"{part}: part from a different model or shape "
-                    f"({meta.model!r}, L={meta.num_layers}, N={meta.num_experts}, k={meta.top_k}) "
-                    f"than {self.parts[0].name} ({self.meta.model!r}, L={self.meta.num_layers}, "
-                    f"N={self.meta.num_experts}, k={self.meta.top_k})"
+                    f"({meta.model!r}, L={meta.num_layers}, N={meta.num_experts}, k={meta.top_k}, "
+                    f"V={meta.vocab_size}) than {self.parts[0].name} ({self.meta.model!r}, "
+                    f"L={self.meta.num_layers}, N={self.meta.num_experts}, k={self.meta.top_k}, "
+                    f"V={self.meta.vocab_size})"
                 )
             if differ := meta.layer_mismatch(self.meta, (part.name, self.parts[0].name)):
                 raise MismatchError(f"{part}: part of other MoE layers: {differ}")
@@ -514,8 +515,8 @@ class Trace:
         read, would be another) is refused by every stage; ``moeplan trace info`` and
         ``trace split`` check every row.
         """
-        if not is_integer(batch_rows) or batch_rows < 1:
-            raise InputError(f"batch_rows={batch_rows!r} must be a positive integer")
+        if not is_integer(batch_rows) or not 1 <= batch_rows <= 2**40:
+            raise InputError(f"batch_rows={batch_rows!r} must be an integer in [1, 2**40]")
         columns = [c for c in REQUIRED_COLUMNS if weights or c != "weights"] + list(extras)
         for part, schema in zip(self.parts, self._schemas, strict=True):
             missing = [e for e in extras if e not in schema.names]

@@ -148,7 +148,7 @@ class TraceMeta:
     def from_json(cls, text: str | bytes, *, where: str = "trace") -> TraceMeta:
         try:
             d = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise SchemaError(f"{where}: 'moeplan' metadata is not valid JSON ({e})") from None
         if not isinstance(d, dict):
             raise SchemaError(f"{where}: 'moeplan' metadata must be a JSON object")
@@ -194,6 +194,9 @@ def check_arrow_schema(schema: pa.Schema, meta: TraceMeta, where: str) -> None:
     missing = [c for c in REQUIRED_COLUMNS if c not in names]
     if missing:
         raise SchemaError(f"{where}: not a v1 trace, missing column(s) {', '.join(missing)}")
+    twice = [c for c in REQUIRED_COLUMNS if len(schema.get_all_field_indices(c)) > 1]
+    if twice:
+        raise SchemaError(f"{where}: not a v1 trace, column(s) {', '.join(twice)} appear twice")
     want = arrow_schema(meta)
     for col in REQUIRED_COLUMNS:
         got_t, want_t = schema.field(col).type, want.field(col).type

@@ -131,6 +131,9 @@ class SynthConfig:
             )
         if self.num_experts > 32767:
             raise InputError(f"synth: num_experts={self.num_experts} does not fit int16 ids")
+        for name, most in (("num_tokens", 2**40), ("num_layers", 4096), ("first_moe_layer", 2**20)):
+            if getattr(self, name) > most:
+                raise InputError(f"synth: {name}={getattr(self, name)} exceeds {most}")
         if self.vocab_size > 2**31 - 1:
             raise InputError(f"synth: vocab_size={self.vocab_size} does not fit int32 ids")
         if self.num_requests > self.num_tokens:
@@ -322,7 +325,9 @@ def _fill_exactly(
     out: a draw without replacement that always succeeds since k <= N.
     """
     num, k = rows.shape
-    keys = log_probs + rng.gumbel(size=(num, log_probs.shape[-1]))
+    # probabilities that underflowed to 0 (a steep expert_zipf) floored to a finite log, so
+    # that the row's own experts, masked with -inf below, still rank last
+    keys = np.maximum(log_probs, -1e300) + rng.gumbel(size=(num, log_probs.shape[-1]))
     kept_r, kept_j = np.nonzero(~bad)
     keys[kept_r, rows[kept_r, kept_j]] = -np.inf
     best = np.argsort(-keys, axis=1, kind="stable")[:, :k]
@@ -367,8 +372,9 @@ class SynthGenerator:
         tilt = np.exp(_DOMAIN_EXPERT_TILT * rng.standard_normal((d, big_l, n)))
         domain_pop = self.expert_popularity[None] * tilt
         domain_pop /= domain_pop.sum(axis=2, keepdims=True)
-        self._layer_log_pop = np.log(self.expert_popularity)  # [L, N]
-        self._domain_log_pop = np.log(domain_pop)  # [D, L, N]
+        with np.errstate(divide="ignore"):  # log 0 = -inf: a steep expert_zipf's tail
+            self._layer_log_pop = np.log(self.expert_popularity)  # [L, N]
+            self._domain_log_pop = np.log(domain_pop)  # [D, L, N]
         self._layer_cdf = [_GroupedCdf([pop]) for pop in self.expert_popularity]
         self._domain_cdf = [_GroupedCdf(list(domain_pop[:, i])) for i in range(big_l)]
 

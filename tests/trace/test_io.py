@@ -192,7 +192,7 @@ def test_meta_from_numpy_integers_writes(tmp_path, small_meta):
     assert open_trace(tmp_path / "t.parquet").meta == small_meta
 
 
-@pytest.mark.parametrize("batch_rows", [True, 0, 2.5])
+@pytest.mark.parametrize("batch_rows", [True, 0, 2.5, 10**20])
 def test_iter_batches_refuses_a_batch_size_that_is_not_a_positive_integer(
     tmp_path, small_meta, batch_rows
 ):
@@ -449,4 +449,26 @@ def test_parts_recording_other_layers(tmp_path, small_meta):
         MismatchError,
         match=r"part of other MoE layers: MoE layer 1 is model layer 3 in part-00001\.parquet and 2 in part-00000",
     ):
+        open_trace(d)
+
+
+def test_a_duplicated_column_or_deeply_nested_metadata_is_one_line(tmp_path, small_meta):
+    table = random_batch(small_meta, 5).to_table(small_meta)
+    pq.write_table(
+        table.append_column("experts", table.column("experts")), tmp_path / "dup.parquet"
+    )
+    with pytest.raises(SchemaError, match="experts appear twice"):
+        open_trace(tmp_path / "dup.parquet")
+    deep = table.replace_schema_metadata({b"moeplan": b"[" * 100_000 + b"]" * 100_000})
+    pq.write_table(deep, tmp_path / "deep.parquet")
+    with pytest.raises(SchemaError, match="not valid JSON"):
+        open_trace(tmp_path / "deep.parquet")
+
+
+def test_parts_of_another_vocabulary_say_so(tmp_path, small_meta):
+    d = tmp_path / "tr"
+    write_trace(d / "part-00000.parquet", small_meta, random_batch(small_meta, 10))
+    other = dataclasses.replace(small_meta, vocab_size=small_meta.vocab_size + 1)
+    write_trace(d / "part-00001.parquet", other, random_batch(other, 10))
+    with pytest.raises(MismatchError, match=rf"V={small_meta.vocab_size + 1}\) than"):
         open_trace(d)

@@ -90,6 +90,9 @@ def test_deepseek_preset_meta():
         # k close to N with heavy skew: duplicates are frequent and must still be resolved.
         dataclasses.replace(SMALL, num_experts=8, top_k=7, expert_zipf=3.0, affinity=0.3),
         dataclasses.replace(SMALL, num_experts=5, top_k=5, layer_correlation=1.0),
+        # so steep that most experts' probabilities underflow to 0: their log -inf tied
+        # with the row's masked experts, which were drawn again (a trace nothing could read)
+        dataclasses.replace(SMALL, num_experts=16, top_k=4, expert_zipf=1000.0),
     ],
 )
 def test_experts_distinct_and_weights_descending_summing_to_one(config):
@@ -359,3 +362,12 @@ def test_metadata_with_a_scalar_layer_list_is_one_line(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"moeplan: error: {path}: "), err
         assert "moe_layer_indices" in err[0]
+
+
+@pytest.mark.parametrize(
+    "change", [{"num_tokens": 10**20}, {"num_layers": 10**20}, {"first_moe_layer": 10**20}]
+)
+def test_sizes_beyond_any_machine_are_one_line(change):
+    # an OverflowError traceback from numpy before
+    with pytest.raises(InputError, match="exceeds"):
+        dataclasses.replace(SMALL, **change)
