@@ -90,12 +90,19 @@ def _value(value: Any, param: Any, where: str, key: str) -> Any:
         if not ok:
             raise InputError(f"{where}: {key} must be {_WANTED[kind]}, not {value!r}")
         return value
-    if isinstance(value, dict):
-        return json.dumps(value)  # --options and the like take JSON
-    if isinstance(value, list) and all(
+    # What a text option takes is in its help: a table only where it takes JSON (--options),
+    # a list where it takes several values (trace ingest's dumps) or a comma-separated one
+    # (--methods ceo,kmeans); anywhere else, "out = ['a', 'b']" wrote to "a,b".
+    takes = str(getattr(param, "help", "") or "").lower()
+    if isinstance(value, dict) and "json" in takes:
+        return json.dumps(value)
+    scalars = isinstance(value, list) and all(
         isinstance(v, str | int | float) and not isinstance(v, bool) for v in value
-    ):
-        return ",".join(str(v) for v in value)  # --methods ceo,kmeans
+    )
+    if scalars and (getattr(param, "multiple", False) or getattr(param, "nargs", 1) == -1):
+        return [str(v) for v in value]
+    if scalars and "comma" in takes:
+        return ",".join(str(v) for v in value)
     if isinstance(value, bool) or not isinstance(value, str | int | float):  # a date, a flag
         raise InputError(f"{where}: {key} must be a string, not {value!r}")
     return value

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from planner._io import check_output
-from planner.cli.app import app, console, err_console
+from planner.cli.app import app, console, err_console, typed
 from planner.errors import InputError
 from planner.evaluate import EvalConfig
 from planner.evaluate.compare import compare_methods
@@ -70,6 +70,7 @@ def _check_lp_path(opts: dict, inputs: tuple, outputs: tuple = ()) -> None:
 
 @app.command("solve")
 def solve(
+    ctx: typer.Context,
     predictor: str = typer.Argument(..., help="Predictor directory from `moeplan fit`."),
     out: str = typer.Option(..., "--out", help="Plan directory to write."),
     method: str = typer.Option("ceo", "--method", help=f"Solver: {', '.join(SOLVERS)}."),
@@ -117,7 +118,7 @@ def solve(
         "fitted token shrinkage discounts, so that the n-gram table overrides only tokens "
         "the token table knows little of (--no-ngram-defer: the paper's table).",
     ),
-    expert_beta: float = typer.Option(
+    expert_beta: float | None = typer.Option(
         None,
         "--expert-beta",
         help="Cap each device's expert load (the routed activations its experts process) at "
@@ -132,7 +133,11 @@ def solve(
     """Place every layer's experts on E devices and give every token a device."""
     check_plan_output(out, inputs=(predictor,))  # before the work, not after it
     if expert_beta is not None and method == "vanilla":
-        raise InputError("--expert-beta does not apply to --method vanilla (the contiguous layout)")
+        if typed(ctx, "expert_beta"):
+            raise InputError(
+                "--expert-beta does not apply to --method vanilla (the contiguous layout)"
+            )
+        expert_beta = None  # a --config file's, for the methods it applies to
     opts = _options(options)
     _check_lp_path(opts, (predictor,), (out,))
     pred = load_predictor(predictor)

@@ -72,6 +72,27 @@ def test_a_list_becomes_a_comma_separated_option(setup, tmp_path, capsys):
     assert [r["method"] for r in rows] == ["vanilla", "kmeans"]
 
 
+def test_a_list_goes_to_an_argument_of_several_values_and_a_file_expert_beta_gives_way(
+    setup, tmp_path, capsys
+):
+    # trace ingest's dumps took the list joined by commas ("Value must be an iterable")
+    cfg = _config(
+        tmp_path, f'[trace.ingest.sglang]\ndumps = ["{tmp_path}/a.pt", "{tmp_path}/b.pt"]\n'
+    )
+    capsys.readouterr()
+    assert main(["--config", cfg, "trace", "ingest", "sglang", "--out", str(tmp_path / "t")]) == 2
+    assert f"{tmp_path}/a.pt: no such SGLang dump" in capsys.readouterr().err
+    # the file's expert-beta is for the methods it applies to: --method vanilla typed on the
+    # command line was refused as if --expert-beta had been typed with it
+    cfg = _config(tmp_path, "[solve]\nep = 4\nexpert-beta = 1.25\n")
+    args = ["--config", cfg, "solve", str(setup / "pred"), "--out", str(tmp_path / "v")]
+    assert main([*args, "--method", "vanilla"]) == 0
+    assert Plan.load(tmp_path / "v").method == "vanilla"
+    assert (
+        main([*args[:-2], str(tmp_path / "w"), "--method", "vanilla", "--expert-beta", "1.2"]) == 2
+    )
+
+
 @pytest.mark.parametrize(
     "text, message",
     [
@@ -121,6 +142,9 @@ def test_the_example_config_names_only_real_options():
         ('[solve]\nep = 2\nngram-defer = "no"\n', "ngram-defer must be true or false, not 'no'"),
         ("[solve]\nep = 2\ntime-limit = 1979-05-27\n", "time-limit must be a number"),
         ("[solve]\nep = 2\nmethod = true\n", "method must be a string, not True"),
+        # a list or a table only where the option takes one: the list wrote to "a,b"
+        ('[solve]\nep = 2\nout = ["a", "b"]\n', "out must be a string, not ['a', 'b']"),
+        ("[solve]\nep = 2\nmethod = { a = 1 }\n", "method must be a string, not {'a': 1}"),
     ],
 )
 def test_values_of_the_wrong_type_are_one_line_errors(setup, tmp_path, capsys, text, message):
