@@ -134,6 +134,27 @@ def _default_file_modes(path: Path) -> None:
             os.chmod(f, mode)
 
 
+def check_place(path: Path, inputs: tuple = ()) -> None:
+    """InputError if an output at ``path`` would be one of ``inputs``, hold one or lie
+    inside one, lie under a file, or lie inside another moeplan artifact."""
+    here = path.resolve()
+    for given in inputs:
+        source = Path(given).resolve()
+        # an output inside an input is refused too: replacing that input later (say, fit
+        # --out PRED once more) would delete the output with it
+        if here == source or here in source.parents or source in here.parents:
+            raise InputError(
+                f"{path}: the command reads its input {given} there; choose another output path"
+            )
+    check_parents(path)
+    owner = artifact_holding(path)
+    if owner is not None:
+        raise InputError(
+            f"{path}: is inside the {owner}; writing there would change it; choose another "
+            f"output path"
+        )
+
+
 def check_output(
     path: str | os.PathLike,
     *,
@@ -162,22 +183,7 @@ def check_output(
     work is done.
     """
     path = Path(path)
-    here = path.resolve()
-    for given in inputs:
-        source = Path(given).resolve()
-        # an output inside an input is refused too: replacing that input later (say, fit
-        # --out PRED once more) would delete the output with it
-        if here == source or here in source.parents or source in here.parents:
-            raise InputError(
-                f"{path}: the command reads its input {given} there; choose another output path"
-            )
-    check_parents(path)
-    owner = artifact_holding(path)
-    if owner is not None:
-        raise InputError(
-            f"{path}: is inside the {owner}; writing there would change it; choose another "
-            f"output path"
-        )
+    check_place(path, inputs)
     if path.exists() and not path.stat().st_mode & 0o222:
         # root may write anything: the mode is the owner's word that this is to be kept
         raise InputError(

@@ -40,9 +40,8 @@ from rich.table import Table
 
 from planner._checks import is_bool, is_integer
 from planner._io import (
-    artifact_holding,
     atomic_path,
-    check_parents,
+    check_place,
     read_json_object,
     sha256_file,
     write_json_atomic,
@@ -523,20 +522,7 @@ def _claim_out_dir(out: Path, inputs: tuple = ()) -> Iterator[None]:
     model, the prompts), holding one, or inside another moeplan artifact is refused.
     """
     # Refused before any work: the directory could not be made once the model is loaded.
-    check_parents(out)
-    here = out.resolve()
-    for given in inputs:
-        source = Path(given).resolve()
-        if here == source or here in source.parents or source in here.parents:
-            raise InputError(
-                f"output {str(out)!r}: the run reads its input {given} there; choose another --out"
-            )
-    owner = artifact_holding(out)
-    if owner is not None:
-        raise InputError(
-            f"output {str(out)!r} is inside the {owner}; writing there would change it; "
-            "choose another --out"
-        )
+    check_place(out, inputs)
     if out.is_symlink() and not out.exists():
         raise InputError(
             f"output {str(out)!r} is a symbolic link to {os.readlink(out)!r}, which does not "
