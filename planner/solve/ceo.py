@@ -177,12 +177,12 @@ DEFAULTS: dict[str, object] = {
     "expert_cap": "repair",
 }
 # kinds of the options whose default does not say it (planner.solve.common.check_options)
-KINDS = {
-    "samples": "count?",
-    "iterations": "count?",
+KINDS = {  # 0 samples, rounds or scoring tokens is no search: at least 1, or null
+    "samples": "count+?",
+    "iterations": "count+?",
     "token_block": "count+",
     "warm_start": "number?",
-    "score_tokens": "count?",
+    "score_tokens": "count+?",
     "effort": "number?",
     "time_budget": "number?",
 }
@@ -208,6 +208,18 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
         raise InputError(f"ceo: elite={opts['elite']!r} must lie in (0, 1]")
     if not (0.0 < float(opts["smoothing"]) <= 1.0):
         raise InputError(f"ceo: smoothing={opts['smoothing']!r} must lie in (0, 1]")
+    for name, low_open in (("explore", False), ("warm_start", False), ("search_share", True)):
+        value = opts[name]
+        if value is not None and not (
+            0.0 < float(value) <= 1.0 if low_open else 0.0 <= float(value) <= 1.0
+        ):
+            span = "(0, 1]" if low_open else "[0, 1]"
+            raise InputError(f"ceo: {name}={value!r} must lie in {span}")
+    if opts["variant"] == "paper" and problem.balance != "cap":
+        raise InputError(
+            "ceo: the paper variant scores samples by local activations under the token cap; "
+            "penalty mode (theta) needs the improved variant"
+        )
     if opts["expert_cap"] not in EXPERT_CAP_MODES:
         modes = ", ".join(EXPERT_CAP_MODES)
         raise InputError(f"ceo: expert_cap={opts['expert_cap']!r} is not one of {modes}")
@@ -294,7 +306,7 @@ def sample_balanced(
             lab[bad] = np.argmax(np.broadcast_to(open_[:, None, :], p.shape)[bad], axis=-1)
         labels[rows, items] = lab
         np.add.at(load, (np.broadcast_to(rows, lab.shape), lab), weight[items])
-        open_ &= load < capacity - 1e-9 * max(capacity, 1.0)
+        open_ &= load < capacity * (1 - 1e-9)  # relative: loads below 1 balance too
         if not open_.any(axis=1).all():  # every device full (only possible at the very end)
             open_ |= ~open_.any(axis=1, keepdims=True)
     return labels
@@ -708,7 +720,8 @@ def _cross_entropy_experts(
             found.setdefault(canonical_labels(s, e).tobytes(), (float(sc), s))
         ranked = np.argsort(-scores, kind="stable")
         stale += 1
-        if scores[ranked[0]] > best_score * (1 + 1e-12) + 1e-12:
+        # better by a relative margin (an absolute one is below best_score where it is < -1)
+        if best_x is None or scores[ranked[0]] > best_score + 1e-12 * max(1.0, abs(best_score)):
             best_score, best_x, stale = float(scores[ranked[0]]), samples[ranked[0]].copy(), 0
         elite = samples[ranked[:n_elite]]
         if opts["align_labels"]:

@@ -173,9 +173,12 @@ class LayerProblem:
             object.__setattr__(self, "token_ids", ids)
         if self.batch_freq is not None:
             b = sparse.csr_matrix(self.batch_freq, dtype=np.float64)
-            if b.shape[0] != num_tokens or (b.data.size and b.data.min() < 0):
+            if b.shape[0] != num_tokens or (
+                b.data.size and not (np.isfinite(b.data).all() and b.data.min() >= 0)
+            ):
                 raise InputError(
-                    f"batch_freq{where} must be [{num_tokens}, G] and >= 0, got shape {b.shape}"
+                    f"batch_freq{where} must be [{num_tokens}, G], finite and >= 0, got shape "
+                    f"{b.shape}"
                 )
             object.__setattr__(self, "batch_freq", b)
         if self.row_occurrences is not None:

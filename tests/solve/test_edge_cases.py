@@ -336,3 +336,61 @@ def test_alternating_counts_only_the_iterations_it_ran_and_refuses_zero_init_rou
     assert placement.info["iterations"] == 0  # the clock ran out before the first
     with pytest.raises(InputError, match="init_rounds"):
         alternating.solve(problem, SolverConfig(options={"alternating": {"init_rounds": 0}}))
+
+
+def test_ceo_options_out_of_range_and_penalty_mode_in_the_paper_variant_are_refused():
+    from planner.solve.problem import LayerProblem, SolverConfig
+    from planner.solve.registry import solve_layer
+    from tests.solve.instances import random_problem
+
+    problem = random_problem(60, 8, 2, seed=1)
+    bad = [{"samples": 0}, {"iterations": 0}, {"score_tokens": 0}, {"explore": 5.0},
+           {"warm_start": 3.0}, {"search_share": 3.0}, {"search_share": 0.0}]  # fmt: skip
+    for options in bad:  # zeros were silently the defaults; the rest negative probabilities
+        with pytest.raises(InputError, match=next(iter(options))):
+            solve_layer(problem, "ceo", SolverConfig(options={"ceo": options}))
+    penalty = LayerProblem(problem.affinity, problem.token_freq, 2, balance="penalty", theta=0.5)
+    with pytest.raises(InputError, match="penalty mode"):  # theta was silently ignored
+        solve_layer(penalty, "ceo", SolverConfig(options={"ceo": {"variant": "paper"}}))
+
+
+def test_ceo_restarts_when_its_objective_is_negative():
+    # an absolute margin lay below best scores under -1: ties reset the patience, so
+    # penalty mode with a large theta never restarted (and searched twice as long)
+    from planner.solve.problem import LayerProblem, SolverConfig
+    from planner.solve.registry import solve_layer
+    from tests.solve.instances import random_problem
+
+    base = random_problem(200, 8, 2, seed=3, clusters=2, noise=0.1)
+    freq = base.token_freq.copy()
+    freq[0] = freq.sum() * 1.5
+    w = base.affinity.multiply((freq / base.token_freq)[:, None]).tocsr()
+    problem = LayerProblem(w, freq, 2, balance="penalty", theta=0.9)
+    options = {"ceo": {"effort": None, "iterations": 30}}
+    placement = solve_layer(problem, "ceo", SolverConfig(seed=0, options=options))
+    assert placement.objective < -1 and placement.info["restarts_used"] > 0
+
+
+def test_sampling_balances_loads_below_one():
+    # the mask's tolerance was absolute: below a load of 1 every device closed at once and
+    # all reopened, so samples went 2.7 times over the cap
+    from planner.solve.ceo import sample_balanced
+
+    freq = np.full(400, 1e-12)
+    cap = 1.1 * freq.sum() / 4
+    prob = np.tile([0.7, 0.1, 0.1, 0.1], (400, 1))
+    labels = sample_balanced(np.random.default_rng(0), prob, 8, freq, cap, block=1)
+    loads = np.stack([np.bincount(lab, weights=freq, minlength=4) for lab in labels])
+    assert loads.max() <= cap * (1 + 1e-6)
+
+
+def test_batches_must_be_finite():
+    from scipy import sparse
+
+    from planner.solve.problem import LayerProblem
+    from tests.solve.instances import random_problem
+
+    problem = random_problem(20, 4, 2, seed=0)
+    batches = sparse.csr_matrix(np.column_stack([problem.token_freq, np.full(20, np.nan)]))
+    with pytest.raises(InputError, match="finite"):
+        LayerProblem(problem.affinity, problem.token_freq, 2, batch_freq=batches)

@@ -241,7 +241,7 @@ def test_ceo_budget_must_be_a_number(bad: dict, small_problem: LayerProblem) -> 
         ("metis", {"ufactors": [0, 30]}, "ufactors=\\[0, 30\\] must each be >= 1"),
         ("kmeans", {"n_init": 0}, "n_init=0 must be an integer >= 1"),
         ("kmeans", {"max_iter": 2.5}, "max_iter=2.5 must be an integer"),
-        ("ceo", {"samples": -1}, "samples=-1 must be an integer >= 0 or null"),
+        ("ceo", {"samples": -1}, "samples=-1 must be an integer >= 1 or null"),
         ("ceo", {"local_search": "yes"}, "local_search='yes' must be true or false"),
         ("ilp", {"lp_path": 3}, "lp_path=3 must be a string or null"),
         ("alternating", {"w_token": None}, "w_token=None must not be null"),
