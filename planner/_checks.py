@@ -32,4 +32,9 @@ def is_real(value: object) -> TypeGuard[int | float | np.integer | np.floating]:
 def is_finite_number(value: object) -> TypeGuard[int | float | np.integer | np.floating]:
     """A finite real number (:func:`is_real`, so not a bool): a metric read from JSON, an
     option given in a config or to the API."""
-    return is_real(value) and math.isfinite(value)
+    if not is_real(value):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past float's range (10**400 from JSON)
+        return False

@@ -44,7 +44,7 @@ def test_sizes_given_as_bools_are_refused_by_the_apis(tmp_path):
         fit_predictor(tmp_path / "none.parquet", FitConfig(batch_rows=True))
     with pytest.raises(InputError, match=r"batch_tokens=True must be an integer in \[1, 2\*\*40\]"):
         fit_predictor(tmp_path / "none.parquet", FitConfig(batch_tokens=True))
-    with pytest.raises(InputError, match="neural embed_dim=True must be a positive integer"):
+    with pytest.raises(InputError, match=r"neural embed_dim=True must be an integer in \[1, "):
         NeuralConfig(embed_dim=True)
     with pytest.raises(InputError, match="vocab_size=True must be a positive integer"):
         convert_sglang([tmp_path], vocab_size=True)

@@ -48,6 +48,9 @@ class DistributionPredictor:
             raise InputError(f"load must hold finite counts, not {load.dtype} values")
         if load.size and load.min() < 0:
             raise InputError("load holds negative counts")
+        # counts are whole and fit int64 (0.6 was truncated to 0; a uint64 past it wrapped)
+        if load.size and (load.max() >= 2**63 or (load.dtype.kind == "f" and (load % 1).any())):
+            raise InputError("load must hold whole counts below 2**63")
         momentum = self.momentum
         if momentum is not None and (not is_real(momentum) or not 0.0 < float(momentum) <= 1.0):
             raise InputError(f"momentum={self.momentum!r} must lie in (0, 1] or be None")

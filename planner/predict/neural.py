@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from planner._checks import is_integer, is_real
+from planner._checks import is_finite_number, is_integer
 from planner.errors import InputError, SchemaError
 from planner.predict.counts import TokenExpertCounts
 
@@ -68,15 +68,16 @@ class NeuralConfig:
     def __post_init__(self) -> None:
         for name in ("embed_dim", "hidden", "max_steps", "batch_size", "threads"):
             value = getattr(self, name)
-            if not is_integer(value) or value < 1:
-                raise InputError(f"neural {name}={value!r} must be a positive integer")
+            most = 4096 if name == "threads" else 2**31 - 1  # torch takes int32
+            if not is_integer(value) or not 1 <= value <= most:
+                raise InputError(f"neural {name}={value!r} must be an integer in [1, {most}]")
             object.__setattr__(self, name, int(value))  # a numpy integer does not go to JSON
         if not is_integer(self.seed) or not 0 <= self.seed < 2**64:
             raise InputError(f"neural seed={self.seed!r} must be an integer in [0, 2**64)")
         object.__setattr__(self, "seed", int(self.seed))
         numbers = (self.lr,) if self.time_budget_s is None else (self.time_budget_s, self.lr)
-        if not all(is_real(x) for x in numbers):
-            raise InputError("neural time_budget_s and lr must be numbers")
+        if not all(is_finite_number(x) for x in numbers):  # 10**400 too
+            raise InputError("neural time_budget_s and lr must be finite numbers")
         if not all(x > 0 for x in numbers):
             raise InputError("neural time_budget_s and lr must be positive")
         object.__setattr__(self, "lr", float(self.lr))

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from planner import __version__
+from planner._checks import is_finite_number
 from planner._io import atomic_path, check_output, sha256_file
 from planner._safetensors import Chunked, save_tensors
 from planner.errors import InputError, MismatchError, SchemaError
@@ -198,7 +199,7 @@ class Predictor:
             raise InputError(f"{path}: not a predictor directory (no {MANIFEST}); run moeplan fit")
         try:
             manifest = json.loads(manifest_path.read_text())
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise SchemaError(f"{manifest_path}: not valid JSON ({e})") from None
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise SchemaError(f"{manifest_path}: format is not {FORMAT!r}")
@@ -283,7 +284,7 @@ class Predictor:
         if REPORT in files:
             try:
                 report = json.loads((path / REPORT).read_text())
-            except ValueError as e:  # UnicodeDecodeError included
+            except (ValueError, RecursionError) as e:  # UnicodeDecodeError included
                 raise SchemaError(f"{path / REPORT}: not valid JSON ({e})") from None
         return cls(
             meta,
@@ -304,7 +305,7 @@ def _plain_name(name: str) -> bool:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    return is_finite_number(value)  # 10**400 overflowed float() after passing
 
 
 def check_destination(path: str | Path, inputs: tuple = ()) -> Path:

@@ -104,3 +104,21 @@ def test_destination_must_be_a_directory_it_may_replace(fitted, tmp_path):
     with pytest.raises(InputError, match="not a predictor"):
         fitted.save(tmp_path / "busy")
     assert (tmp_path / "busy" / "keep.txt").read_text() == "x"
+
+
+def test_manifest_values_past_any_range_are_one_line(tmp_path):
+    # deeply nested JSON (RecursionError), an integer past float's range (OverflowError)
+    # and threads beyond int32 (torch's ValueError) were tracebacks
+    from planner.predict.distribution import DistributionPredictor
+
+    deep = tmp_path / "deep"
+    deep.mkdir()
+    (deep / "predictor.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(SchemaError, match="not valid JSON"):
+        Predictor.load(deep)
+    for bad in ({"lr": 10**400}, {"threads": 10**30}):
+        with pytest.raises(InputError):
+            NeuralConfig(**bad)
+    for load in ([[0.6, 0.4]], np.array([[2**63, 1]], np.uint64)):  # truncated / wrapped
+        with pytest.raises(InputError, match="whole counts"):
+            DistributionPredictor().partial_fit(np.asarray(load))
