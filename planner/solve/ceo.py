@@ -445,7 +445,9 @@ class _Scorer:
         effort: Effort,
         limit: ExpertLimit | None = None,
         repair_after: bool = False,
+        deadline: float | None = None,
     ):
+        self.deadline = deadline  # the samples' polish stops there (a time limit is hard)
         # the heaviest token rows, and as many heaviest load-free rows (n-gram contexts),
         # so that neither kind crowds the other out of the scoring set
         free, count = problem.token_freq == 0, max(1, num_tokens)
@@ -482,6 +484,7 @@ class _Scorer:
         y, t, _ = polish(
             sub, x, t, sweeps=self.sweeps, max_rounds=self.rounds, swaps=self.swaps,
             exact=False, effort=effort, limit=None if self.repair_after else self.limit,
+            deadline=self.deadline,
         )  # fmt: skip
         if self.repair_after and self.limit is not None and not self.limit.allows(y):
             y, t = self._repair(y, t)
@@ -688,6 +691,7 @@ def _cross_entropy_experts(
         effort,
         cap,
         repair_after,
+        deadline=stop.seconds,
     )
     p_ep = np.full((n, e), 1.0 / e)
     if opts["warm_start"]:
@@ -730,8 +734,10 @@ def _cross_entropy_experts(
         p_ep = alpha * _onehot_mean(elite, e) + (1 - alpha) * p_ep
         done += 1
         p_ep = (1 - explore) * p_ep + explore / e
-    mode = repair_expert_counts(p_ep.argmax(axis=1), p_ep.T, per)
-    mode_x, mode_score = scorer(mode)
-    found.setdefault(canonical_labels(mode_x, e).tobytes(), (mode_score, mode_x))
+    out_of_time = stop.seconds is not None and time.perf_counter() >= stop.seconds
+    if not found or not out_of_time:  # the distribution's mode, unless the clock ran out
+        mode = repair_expert_counts(p_ep.argmax(axis=1), p_ep.T, per)
+        mode_x, mode_score = scorer(mode)
+        found.setdefault(canonical_labels(mode_x, e).tobytes(), (mode_score, mode_x))
     ranked_found = sorted(found.values(), key=lambda item: -item[0])
     return [x for _, x in ranked_found[: max(1, int(opts["screen"]))]], (done, restarts), cut
