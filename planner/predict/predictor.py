@@ -30,7 +30,7 @@ import numpy as np
 
 from planner import __version__
 from planner._checks import is_finite_number
-from planner._io import atomic_path, check_output, sha256_file
+from planner._io import atomic_path, check_output, read_json_object, sha256_file
 from planner._safetensors import Chunked, save_tensors
 from planner.errors import InputError, MismatchError, SchemaError
 from planner.predict.affinity import TokenExpertAffinity
@@ -197,11 +197,8 @@ class Predictor:
         manifest_path = path / MANIFEST
         if not path.is_dir() or not manifest_path.is_file():
             raise InputError(f"{path}: not a predictor directory (no {MANIFEST}); run moeplan fit")
-        try:
-            manifest = json.loads(manifest_path.read_text())
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            raise SchemaError(f"{manifest_path}: not valid JSON ({e})") from None
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        manifest = read_json_object(manifest_path, str(manifest_path), SchemaError)
+        if manifest.get("format") != FORMAT:
             raise SchemaError(f"{manifest_path}: format is not {FORMAT!r}")
         if manifest.get("format_version") not in READABLE_VERSIONS:
             raise SchemaError(
@@ -229,7 +226,7 @@ class Predictor:
             if not (isinstance(value, dict) or (optional and value is None)):
                 raise SchemaError(f"{manifest_path}: '{key}' must be a JSON object")
         threshold = aff_settings.get("confident_threshold", 0.5)
-        if not _is_number(threshold):
+        if not is_finite_number(threshold):
             raise SchemaError(
                 f"{manifest_path}: affinity confident_threshold={threshold!r} is not a number"
             )
@@ -282,10 +279,7 @@ class Predictor:
             batches = BatchMix.from_tensors(tensors("batches.safetensors"), meta.vocab_size)
         report = None
         if REPORT in files:
-            try:
-                report = json.loads((path / REPORT).read_text())
-            except (ValueError, RecursionError) as e:  # UnicodeDecodeError included
-                raise SchemaError(f"{path / REPORT}: not valid JSON ({e})") from None
+            report = read_json_object(path / REPORT, str(path / REPORT), SchemaError)
         return cls(
             meta,
             affinity,
@@ -302,10 +296,6 @@ class Predictor:
 def _plain_name(name: str) -> bool:
     """A file name directly inside the predictor directory (no separators, no '..')."""
     return name not in ("", ".", "..") and Path(name).name == name and "\\" not in name
-
-
-def _is_number(value: object) -> bool:
-    return is_finite_number(value)  # 10**400 overflowed float() after passing
 
 
 def check_destination(path: str | Path, inputs: tuple = ()) -> Path:
