@@ -204,17 +204,14 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     opts = check_options("ceo", config.for_method("ceo"), DEFAULTS, KINDS)
     if opts["variant"] not in VARIANTS:
         raise InputError(f"ceo: variant={opts['variant']!r} is not one of {', '.join(VARIANTS)}")
-    if not (0.0 < float(opts["elite"]) <= 1.0):
-        raise InputError(f"ceo: elite={opts['elite']!r} must lie in (0, 1]")
-    if not (0.0 < float(opts["smoothing"]) <= 1.0):
-        raise InputError(f"ceo: smoothing={opts['smoothing']!r} must lie in (0, 1]")
-    for name, low_open in (("explore", False), ("warm_start", False), ("search_share", True)):
+    # shares and probabilities: (0, 1] where 0 would leave nothing, else [0, 1]
+    for name, zero_ok in (("elite", False), ("smoothing", False), ("search_share", False),
+                          ("explore", True), ("warm_start", True)):  # fmt: skip
         value = opts[name]
-        if value is not None and not (
-            0.0 < float(value) <= 1.0 if low_open else 0.0 <= float(value) <= 1.0
-        ):
-            span = "(0, 1]" if low_open else "[0, 1]"
-            raise InputError(f"ceo: {name}={value!r} must lie in {span}")
+        if value is not None and not (0.0 <= float(value) <= 1.0 and (zero_ok or value > 0)):
+            raise InputError(
+                f"ceo: {name}={value!r} must lie in {'[0, 1]' if zero_ok else '(0, 1]'}"
+            )
     if opts["variant"] == "paper" and problem.balance != "cap":
         raise InputError(
             "ceo: the paper variant scores samples by local activations under the token cap; "
