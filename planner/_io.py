@@ -78,7 +78,11 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
             # Elsewhere: via a backup name of its own (a fixed name could be a user's file),
             # renamed onto a fresh empty directory
             backup = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".old", dir=dest.parent))
-            os.replace(dest, backup)
+            try:
+                os.replace(dest, backup)
+            except BaseException:
+                backup.rmdir()  # still the empty folder mkdtemp made
+                raise
             try:
                 os.replace(tmp, dest)
             except BaseException:
@@ -217,6 +221,14 @@ def check_output(
         )
     if path.exists() and not path.is_dir():
         raise InputError(f"{path}: exists and is a file; a {what} is a directory")
+    cwd = Path.cwd().resolve()
+    if path.resolve() == cwd or path.resolve() in cwd.parents:
+        # `--out .`: the swap cannot rename the folder the command runs in (it left a
+        # backup folder behind); done from outside, it would leave the shell in a deleted one
+        raise InputError(
+            f"{path}: is the current directory or holds it; run the command from outside it "
+            "or choose another output path"
+        )
     if path.is_dir() and any(path.iterdir()) and not any(path.glob(marker)):
         raise InputError(
             f"{path}: is a non-empty directory that is not a {what}; choose another output path"

@@ -228,7 +228,7 @@ def test_an_artifact_replaces_a_directory_only_if_it_holds_nothing_else(tmp_path
     (proj / "part-00000.parquet").write_text("")
     (proj / "src.py").write_text("precious")
     for check in (check_bundle_output, check_plan_output, check_destination):
-        with pytest.raises(InputError, match=r"holds .* besides .* own files"):
+        with pytest.raises(InputError, match=r"holds .* (besides .* own files|not a moeplan)"):
             check(proj)
     with pytest.raises(InputError, match=r"holds .*predictor\.json.* besides a trace's own"):
         check_trace_output(proj)
@@ -238,6 +238,7 @@ def test_an_artifact_replaces_a_directory_only_if_it_holds_nothing_else(tmp_path
     bundle = tmp_path / "bundle"
     bundle.mkdir()
     manifest = {"files": {"tables.safetensors": {}, "sglang_expert_location.json": {}}}
+    manifest["format"] = "moeplan-bundle"
     (bundle / "manifest.json").write_text(json.dumps(manifest))
     (bundle / "tables.safetensors").write_text("")
     (bundle / "sglang_expert_location.json").write_text("{}")
@@ -245,6 +246,18 @@ def test_an_artifact_replaces_a_directory_only_if_it_holds_nothing_else(tmp_path
     (bundle / "NOTES.txt").write_text("mine")
     with pytest.raises(InputError, match="holds NOTES.txt besides a moeplan bundle's own files"):
         check_bundle_output(bundle)
+    # a manifest.json that is not a bundle's is never replaced, even where it lists the files
+    # beside it (a web app's "files" list) or stands alone (a browser extension's)
+    for text, others in [('{"name": "pwa", "files": ["index.html"]}', ["index.html"]),
+                         ('{"name": "ext", "manifest_version": 3}', []), ("{not json", [])]:  # fmt: skip
+        app = tmp_path / f"app{len(text)}"
+        app.mkdir()
+        (app / "manifest.json").write_text(text)
+        for name in others:
+            (app / name).write_text("<html>")
+        with pytest.raises(InputError, match="holds a manifest.json that is not a moeplan bundle"):
+            check_bundle_output(app)
+        assert (app / "manifest.json").read_text() == text
     plan = tmp_path / "plan"
     plan.mkdir()
     (plan / "plan.json").write_text("{}")
@@ -269,6 +282,36 @@ def test_a_directory_is_swapped_in_one_step(tmp_path, monkeypatch):
         (tmp / "plan.json").write_text("new")
     assert (dest / "plan.json").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan"]  # the old one removed
+
+
+def test_the_current_directory_is_never_an_artifact_output(tmp_path, monkeypatch, capsys):
+    # `export --out .` inside an old bundle failed on the swap with a raw errno line and left
+    # a backup folder in the bundle, which then refused every later export to it
+    from planner.export.bundle import check_bundle_output
+
+    inner = tmp_path / "old" / "sub"
+    inner.mkdir(parents=True)
+    monkeypatch.chdir(inner)
+    for path in (".", "..", str(inner)):
+        with pytest.raises(InputError, match="is the current directory or holds it"):
+            check_bundle_output(path)
+    assert sorted(p.name for p in (tmp_path / "old").iterdir()) == ["sub"]
+
+
+def test_a_backup_folder_is_removed_when_the_old_output_cannot_be_moved(tmp_path, monkeypatch):
+    dest = tmp_path / "plan"
+    dest.mkdir()
+    (dest / "plan.json").write_text("old")
+    monkeypatch.setattr(_io, "_exchange", lambda a, b: False)  # the two-step path
+
+    def busy(src, dst):
+        raise OSError(16, "Device or resource busy")
+
+    monkeypatch.setattr(_io.os, "replace", busy)
+    with pytest.raises(OSError), atomic_path(dest) as tmp:
+        tmp.mkdir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan"]
+    assert (dest / "plan.json").read_text() == "old"
 
 
 def test_folders_made_for_an_output_that_failed_are_removed(tmp_path):

@@ -494,11 +494,19 @@ def check_bundle_output(path: str | Path, inputs: tuple = ()) -> Path:
     members = [MANIFEST_FILE, TABLES_FILE]
     if (path / MANIFEST_FILE).is_file():
         try:
-            listed = json.loads((path / MANIFEST_FILE).read_text()).get("files", {})
+            manifest = json.loads((path / MANIFEST_FILE).read_text())
+        except (ValueError, RecursionError, OSError):
+            manifest = None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            # a web app's or an extension's manifest.json: not a bundle to replace
+            raise InputError(
+                f"{path}: holds a {MANIFEST_FILE} that is not a moeplan bundle's; choose "
+                "another output path"
+            )
+        listed = manifest.get("files")
+        if isinstance(listed, dict):
             # the names as they are (escaped: a listed "*" must not match every file)
             members += [glob.escape(name) for name in listed if isinstance(name, str)]
-        except (ValueError, AttributeError, RecursionError, OSError):
-            pass  # not a bundle's manifest: only the two names a bundle always has
     return check_output(
         path, marker=MANIFEST_FILE, what="moeplan bundle", inputs=inputs, members=tuple(members)
     )
@@ -608,8 +616,13 @@ def _check_files(path: Path, manifest: Mapping[str, Any]) -> None:
         raise SchemaError(f"bundle {path}: manifest files do not list {TABLES_FILE}")
     for name, entry in files.items():
         fpath = path / name
-        if Path(name).name != name or not fpath.is_file():
-            raise SchemaError(f"bundle {path}: {name} is listed in the manifest but missing")
+        try:
+            missing = Path(name).name != name or not fpath.is_file()
+        except (OSError, ValueError):  # a name too long, or holding a NUL
+            missing = True
+        if missing:
+            shown = name if len(name) <= 80 else f"{name[:80]}..."
+            raise SchemaError(f"bundle {path}: {shown} is listed in the manifest but missing")
         want = entry.get("sha256") if isinstance(entry, dict) else None
         if not isinstance(want, str):
             raise SchemaError(f"bundle {path}: manifest gives no sha256 for {name}")

@@ -209,13 +209,14 @@ def sglang_expert_location(placement: EnginePlacement) -> dict[str, Any]:
 
 def _every_moe_layer(placement: EnginePlacement, engine: str) -> None:
     """InputError if the plan may leave MoE layers out (``unplanned_gaps`` with layers
-    missing between its own): the formats that list MoE layers only would misplace it."""
+    missing before or between its own): the formats that list MoE layers only would
+    misplace it. (Layers after the last counted one cannot be told from the plan.)"""
     idx = placement.moe_layer_indices
-    if placement.unplanned_gaps and idx and list(idx) != list(range(idx[0], idx[-1] + 1)):
+    if placement.unplanned_gaps and idx and list(idx) != list(range(idx[-1] + 1)):
         raise InputError(
             f"{engine}: the plan was fitted from counts of model layers {list(idx)} only; the "
-            f"{engine} file lists every MoE layer in order, so the layers between would get "
-            "the wrong plan or none (profile every MoE layer, or export sglang, whose rows "
+            f"{engine} file lists every MoE layer in order, so the layers before or between "
+            "would get the wrong plan or none (profile every MoE layer, or export sglang, whose rows "
             "keep the default layout where no layer was planned)"
         )
 

@@ -312,6 +312,14 @@ def test_other_manifest_problems(tmp_path, hand_bundle):
         SchemaError, match="tables.safetensors is listed in the manifest but missing"
     ):
         load_bundle_arrays(path)
+    # a listed name the file system cannot take raised a bare OSError (ENAMETOOLONG)
+    path = save_bundle(hand_bundle, tmp_path / "e")
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"]["a" * 5000] = {"sha256": "x"}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SchemaError, match=r"a{80}\.\.\. is listed in the manifest but missing"):
+        load_bundle_arrays(path)
+    assert not verify_bundle(path)["ok"]
 
 
 def test_extra_file_names_are_checked(tmp_path, hand_bundle):

@@ -200,9 +200,14 @@ def test_a_plan_fitted_from_counts_of_some_layers_is_refused_where_only_moe_laye
     assert saved.meta.source == "counts table x.parquet"
     with pytest.raises(InputError, match="counts of model layers"):
         render_engine_file("trtllm", saved)
-    contiguous = dataclasses.replace(meta, moe_layer_indices=(3, 4, 5))
+    # layers 3-5 alone: MoE layer 0 of vllm-ascend's list got model layer 3's plan
+    late = make_bundle(dataclasses.replace(meta, moe_layer_indices=(3, 4, 5)), expert_to_device=e2d)
     for name in ("vllm-ascend", "trtllm"):
-        render_engine_file(name, make_bundle(contiguous, expert_to_device=e2d))
+        with pytest.raises(InputError, match=r"counts of model layers \[3, 4, 5\] only"):
+            render_engine_file(name, late)
+    first = dataclasses.replace(meta, moe_layer_indices=(0, 1, 2))
+    for name in ("vllm-ascend", "trtllm"):
+        render_engine_file(name, make_bundle(first, expert_to_device=e2d))
 
 
 def test_render_from_a_bundle_uses_its_permutation(hand_bundle):
