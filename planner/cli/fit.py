@@ -101,6 +101,9 @@ def fit(
         holdout = None
     elif eval_domain and not typed(ctx, "eval_domain"):
         eval_domain = None
+    given = [f"--{n.replace('_', '-')}" for n in ("neural_steps", "neural_budget") if typed(ctx, n)]
+    if given and not neural:
+        raise InputError(f"{' and '.join(given)} set the neural predictor's training; add --neural")
     config = FitConfig(
         holdout=holdout,
         seed=seed,

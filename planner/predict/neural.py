@@ -272,21 +272,29 @@ class NeuralPredictor:
         try:
             self = cls(NeuralConfig(**settings["config"]))
             big_l, n, k = settings["num_layers"], settings["num_experts"], settings["top_k"]
+            h, features = self.config.hidden, tensors["features"]
+            if tuple(features.shape) != (vocab_size + 1, h):
+                raise SchemaError(
+                    f"neural features have shape {tuple(features.shape)}, "
+                    f"expected ({vocab_size + 1}, {h})"
+                )
+            # the shapes the settings imply, checked before the body allocates them (an
+            # edited manifest could ask for any size)
+            shapes = {"1.weight": (h, h), "1.bias": (h,), "3.weight": (big_l * n, h)}
+            shapes["3.bias"] = (big_l * n,)
+            given = {k2[5:]: v for k2, v in tensors.items() if k2.startswith("body.")}
+            if {name: tuple(v.shape) for name, v in given.items()} != shapes:
+                raise SchemaError(
+                    "neural predictor body tensors do not match its settings "
+                    f"(hidden {h}, {big_l} layers x {n} experts)"
+                )
             body = self._body(big_l, n)
-            state = {
-                k2[5:]: torch.from_numpy(np.ascontiguousarray(v))
-                for k2, v in tensors.items()
-                if k2.startswith("body.")
-            }
-            body.load_state_dict(state)
-            features = torch.from_numpy(np.ascontiguousarray(tensors["features"]))
+            body.load_state_dict(
+                {name: torch.from_numpy(np.ascontiguousarray(v)) for name, v in given.items()}
+            )
+            features = torch.from_numpy(np.ascontiguousarray(features))
         except (KeyError, TypeError, RuntimeError) as e:
             raise SchemaError(f"neural predictor tensors or settings are malformed ({e})") from None
-        if tuple(features.shape) != (vocab_size + 1, self.config.hidden):
-            raise SchemaError(
-                f"neural features have shape {tuple(features.shape)}, "
-                f"expected ({vocab_size + 1}, {self.config.hidden})"
-            )
         self.features_, self.body_ = features, body.eval()
         self.num_layers_, self.num_experts_, self.top_k_ = int(big_l), int(n), int(k)
         self.train_log_, self.input_ = (

@@ -207,8 +207,9 @@ class NgramTerm:
             raise InputError(
                 f"n-gram weight {self.weight!r} must be a positive number, at most {MAX_WEIGHT:g}"
             )
-        if self.unplaced is not None and not all(0 <= x <= 1 for x in self.unplaced):
-            raise InputError(f"unplaced shares {self.unplaced!r} must lie in [0, 1]")
+        for name, shares in (("unreliable", self.unreliable), ("unplaced", self.unplaced)):
+            if shares is not None and not all(0 <= x <= 1 for x in shares):
+                raise InputError(f"{name} shares {shares!r} must lie in [0, 1]")
         if self.target not in TARGETS:
             raise InputError(f"n-gram target {self.target!r} must be one of {', '.join(TARGETS)}")
 

@@ -101,6 +101,12 @@ def test_a_split_carries_the_embeddings_to_both_sides(tmp_path, capsys):
         (["--domain", "arxiv"], "apply to counts tables only"),
         (["--holdout", "0.5", "--ep-size", "0"], "ep_size=0 must be a positive integer"),
         (["--ngram-order", "9"], "ngram_order=9 must be 1, 2 or 3"),
+        # these were ignored without --neural
+        (
+            ["--neural-steps", "40"],
+            "--neural-steps set the neural predictor's training; add --neural",
+        ),
+        (["--neural-budget", "1"], "--neural-budget set the neural predictor's training; add"),
     ],
 )
 def test_one_line_errors(exact_trace, tmp_path, capsys, args, message):

@@ -7,7 +7,7 @@ import warnings
 import numpy as np
 import pytest
 
-from planner.errors import InputError
+from planner.errors import InputError, SchemaError
 from planner.predict.counts import CountsAccumulator
 from planner.predict.neural import NeuralConfig, NeuralPredictor
 from planner.trace import TraceMeta
@@ -68,3 +68,19 @@ def test_tensor_round_trip_and_unknown_tokens():
         nn.predict_topk(np.array([40]))
     with pytest.raises(InputError):
         NeuralConfig(hidden=0)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [{"config": {"hidden": 200_000}}, {"num_experts": 200_000}, {"num_layers": 10**6}],
+    ids=["hidden", "experts", "layers"],
+)
+def test_settings_that_disagree_with_the_tensors_are_refused_before_allocating(edit):
+    # an edited manifest built the body at its own size first (hidden 200000: 160 GB)
+    nn = NeuralPredictor(NeuralConfig(max_steps=5)).fit(chain_counts())
+    settings = nn.settings()
+    for key, value in edit.items():
+        settings[key] = dict(settings[key], **value) if isinstance(value, dict) else value
+    with pytest.raises(SchemaError, match="shape|do not match") as e:
+        NeuralPredictor.from_tensors(nn.to_tensors(), settings, META.vocab_size)
+    assert "allocate" not in str(e.value)

@@ -139,6 +139,9 @@ def test_context_rows_take_the_ngram_tables_share_of_the_batches(predictor):
         np.testing.assert_allclose(b[j:], share * np.outer(occ, sizes))
     with pytest.raises(InputError, match="unplaced"):
         NgramTerm(predictor.transitions, order=2, unplaced=(0.0, 1.5, 0.0, 0.0))
+    for bad in (-0.1, 1.5, float("nan")):  # such shares were used as given
+        with pytest.raises(InputError, match="unreliable"):
+            NgramTerm(predictor.transitions, order=2, unreliable=(0.0, bad, 0.0, 0.0))
 
 
 def test_plans_weigh_the_term_by_the_predictors_shrinkage(predictor, monkeypatch):
