@@ -165,8 +165,17 @@ def load_model(info: CheckpointInfo, device: str, dtype: str, progress: bool = T
             f"{info.path}: cannot load model weights: a .safetensors file is truncated or "
             f"damaged ({first_line(e)})"
         ) from None
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
-        # RuntimeError: the state-dict errors of transformers.
+    except (
+        OSError,
+        ValueError,
+        KeyError,
+        TypeError,
+        RuntimeError,
+        AssertionError,
+        IndexError,
+    ) as e:
+        # RuntimeError: the state-dict errors of transformers; AssertionError and IndexError:
+        # modules built from a bad config (a pad_token_id past the vocabulary, vocab_size 0)
         raise ModelError(f"{info.path}: cannot load model weights ({first_line(e)})") from None
     finally:
         hf_logging.set_verbosity(verbosity)

@@ -209,6 +209,29 @@ def check_moe_config(adapter: RouterAdapter, config: Any, where: str) -> list[in
         )
     if not 0 < k <= n:
         raise ModelError(f"{where}: top-k={k} is not in [1, {n}] (num_experts={n})")
+    method = getattr(config, "topk_method", None)
+    if adapter.model_type == "deepseek_v2" and method not in ("greedy", "group_limited_greedy"):
+        # transformers' router knows these two; any other fails inside its forward pass
+        raise ModelError(
+            f"{where}: topk_method={method!r}; DeepSeek-V2's router takes 'greedy' or "
+            "'group_limited_greedy'"
+        )
+    grouped = adapter.model_type == "deepseek_v3" or method == "group_limited_greedy"
+    if grouped:
+        # transformers views the scores as [T, n_group, N / n_group]: where n_group does not
+        # divide N the view mixes neighbouring tokens' scores whenever T N happens to divide
+        groups, chosen = getattr(config, "n_group", None), getattr(config, "topk_group", None)
+        if not (
+            isinstance(groups, int)
+            and isinstance(chosen, int)
+            and groups >= 1
+            and n % groups == 0
+            and 1 <= chosen <= groups
+        ):
+            raise ModelError(
+                f"{where}: n_group={groups!r} and topk_group={chosen!r} must be integers with "
+                f"n_group dividing the {n} routed experts and 1 <= topk_group <= n_group"
+            )
     return layers
 
 

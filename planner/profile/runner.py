@@ -47,7 +47,7 @@ from planner._io import (
     write_json_atomic,
 )
 from planner._progress import progress_bar
-from planner.errors import InputError, ModelError
+from planner.errors import InputError, ModelError, MoeplanError
 from planner.profile.checkpoint import (
     DTYPES,
     CheckpointInfo,
@@ -334,8 +334,11 @@ class ProfileSession:
                     attention_mask=mask.to(self.device),
                     use_cache=False,
                 )
-        except (RuntimeError, IndexError, ValueError) as e:
-            # A config the model cannot run (e.g. topk_group > n_group), or out of memory.
+        except MoeplanError:
+            raise  # the hooks' own word on the routing
+        except Exception as e:  # noqa: BLE001 - any failure of the model's own code
+            # A config the model cannot run (topk_group > n_group: RuntimeError; an unknown
+            # topk_method: UnboundLocalError; n_group 0: ZeroDivisionError), or out of memory.
             hint = (
                 "; lower --batch-size or --max-length"
                 if isinstance(e, torch.OutOfMemoryError)
@@ -495,6 +498,15 @@ def profile_model(
                 rate = tokens / max(time.perf_counter() - t0, 1e-9)
                 advance(len(chunk), f"{tokens} tokens  {rate:.0f} tok/s")
         seconds = time.perf_counter() - t0
+        if parts == 0 and not done:
+            # no trace to mark finished: take back what this run wrote (a directory it
+            # made is removed by _claim_out_dir)
+            for name in (SETTINGS_FILE, EMBEDDINGS_FILE):
+                (out / name).unlink(missing_ok=True)
+            raise InputError(
+                f"{prompts_path}: none of the {len(todo)} prompt(s) tokenised to any token, so "
+                "there is nothing to record (check the prompts and the tokenizer)"
+            )
         write_json_atomic(out / SETTINGS_FILE, settings | {"finished": True})
         return ProfileResult(
             out_dir=out,

@@ -72,7 +72,13 @@ import numpy as np
 from planner._checks import is_integer
 from planner._io import atomic_path
 from planner.errors import InputError, MismatchError, SchemaError
-from planner.trace.io import TraceBatch, TraceWriter, check_trace_output, write_trace
+from planner.trace.io import (
+    TraceBatch,
+    TraceWriter,
+    check_distinct_occurrences,
+    check_trace_output,
+    write_trace,
+)
 from planner.trace.schema import TraceMeta
 
 DUMP_GLOB = "expert_distribution_recorder_*.pt"
@@ -160,6 +166,12 @@ def _to_numpy(value, what: str, where: Path, ndim: int) -> np.ndarray:
     import torch
 
     if isinstance(value, torch.Tensor):
+        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            # numpy has no bfloat16: refused before .numpy(), as any non-integer array is
+            raise SchemaError(
+                f"{where}: {what} has shape {tuple(value.shape)} and dtype {value.dtype}, "
+                f"expected a {ndim}-d integer array"
+            )
         arr = value.detach().cpu().numpy()
     elif isinstance(value, list | tuple):
         try:
@@ -304,8 +316,9 @@ def load_dump(path: str | Path) -> tuple[list[dict], np.ndarray]:
 def segment_starts(positions: np.ndarray, extend_seq_lens, forward_mode) -> np.ndarray:
     """[T] bool, True where a new sequence (request id) starts in one forward pass.
 
-    ``extend_seq_lens`` wins when it sums to T; a decode pass has one token per sequence;
-    otherwise a sequence starts wherever the position is not the previous one + 1.
+    ``extend_seq_lens`` wins when it sums to T and its segments' positions increase; a
+    decode pass has one token per sequence; otherwise a sequence starts wherever the
+    position is not the previous one + 1.
     """
     t = positions.shape[0]
     starts = np.zeros(t, bool)
@@ -319,7 +332,12 @@ def segment_starts(positions: np.ndarray, extend_seq_lens, forward_mode) -> np.n
         offsets = np.cumsum(extend_seq_lens)[:-1]
         starts[0] = True
         starts[offsets[offsets < t]] = True
-        return starts
+        inside = ~starts[1:]
+        if (positions[1:][inside] > positions[:-1][inside]).all():
+            return starts
+        # lengths that contradict the positions (a segment whose positions restart) could
+        # give one request two rows at a position: the positions decide
+        starts[:] = False
     if forward_mode == FORWARD_MODE_DECODE:
         starts[:] = True
         return starts
@@ -500,6 +518,7 @@ def convert_sglang(
     weights = np.full(experts.shape, 1.0 / k, np.float16)
     batch = TraceBatch.from_arrays(requests, np.concatenate(rows_pos), token_id, experts, weights)
     batch.validate(meta, where="sglang ingest")
+    check_distinct_occurrences(batch.request_id, batch.position, "sglang ingest")
     stats = SglangIngestStats(
         path=None,
         files=tuple(str(f) for f in files),

@@ -557,6 +557,12 @@ class Trace:
         columns = [read_columns(p, ["request_id", "position"]) for p in self.parts]
         if not columns:
             return np.zeros(0, np.int64)
+        for part, c in zip(self.parts, columns, strict=True):
+            # a part written without statistics escapes the footer's null check, and
+            # to_numpy() would turn a null into NaN
+            for name, column in zip(c.column_names, c.columns, strict=True):
+                if column.null_count:
+                    raise SchemaError(f"{part}: column {name} holds nulls; a v1 trace has none")
         rid = np.concatenate([c.column(0).to_numpy() for c in columns])
         pos = np.concatenate([c.column(1).to_numpy() for c in columns])
         del columns
@@ -586,7 +592,7 @@ def _check_finished(path: Path) -> None:
         return
     try:
         finished = json.loads(settings.read_text()).get("finished", True)
-    except (ValueError, OSError, AttributeError):
+    except (ValueError, OSError, AttributeError, RecursionError):
         return  # not a profile's settings file: the trace's own checks decide
     if finished is False:
         raise InputError(

@@ -151,14 +151,86 @@ def test_config_field_of_the_wrong_type_is_one_line(model_dirs, prompts, tmp_pat
     assert "cannot read config" in line and "num_local_experts" in line and "expected int" in line
 
 
-def test_config_the_model_cannot_run_is_one_line(model_dirs, prompts, tmp_path, capsys):
-    # topk_group > n_group: the checkpoint loads, its router fails in the forward pass.
-    model = _copy_with_config(model_dirs["deepseek_v3"], tmp_path / "m", topk_group=9)
+@pytest.mark.parametrize(
+    "arch, changes, message",
+    [
+        # topk_group > n_group: the checkpoint loads, its router failed in the forward pass
+        ("deepseek_v3", {"topk_group": 9}, "n_group=4 and topk_group=9 must be"),
+        # ZeroDivisionError in the router: a traceback
+        ("deepseek_v3", {"n_group": 0}, "n_group=0 and topk_group=2 must be"),
+        # 8 experts in 3 groups: the router's view mixed neighbouring tokens' scores whenever
+        # T N divided evenly, and the run recorded them
+        ("deepseek_v2", {"n_group": 3, "topk_group": 1}, "n_group=3 and topk_group=1 must be"),
+        # an unknown method: UnboundLocalError in the router, a traceback
+        ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method='noaux_tc'; DeepSeek-V2's"),
+    ],
+)
+def test_router_config_the_model_cannot_run_is_one_line(
+    model_dirs, prompts, tmp_path, capsys, arch, changes, message
+):
+    model = _copy_with_config(model_dirs[arch], tmp_path / "m", **changes)
     out = tmp_path / "t"
     line = _error_line(capsys, ["profile", "--model", str(model), "--prompts", str(prompts),
-                                "--out", str(out), "--max-prompts", "1"])  # fmt: skip
-    assert f"{model}: the model's forward pass failed (" in line
+                                "--out", str(out), "--max-prompts", "3"])  # fmt: skip
+    assert message in line
+    assert not out.exists()
+
+
+def test_any_failure_of_the_forward_pass_is_one_line(model_dirs, prompts, tmp_path, monkeypatch):
+    # only RuntimeError, IndexError and ValueError were caught; the models' own code raises
+    # others on configs it cannot run
+    from transformers.models.mixtral import modeling_mixtral
+
+    def broken(self, hidden_states):
+        raise ZeroDivisionError("integer division or modulo by zero")
+
+    monkeypatch.setattr(modeling_mixtral.MixtralTopKRouter, "forward", broken)
+    out = tmp_path / "t"
+    with pytest.raises(ModelError, match=r"forward pass failed \(integer division or modulo"):
+        profile_model(model_dirs["mixtral"], prompts, out, ProfileConfig(), progress=False)
     assert not list(out.glob("part-*"))
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [({"pad_token_id": 500}, "Padding_idx must be within"), ({"vocab_size": 0}, "")],
+)
+def test_a_config_the_modules_cannot_be_built_from_is_one_line(
+    model_dirs, prompts, tmp_path, capsys, changes, message
+):
+    # nn.Embedding asserts on a pad_token_id past the vocabulary (AssertionError) and the
+    # initialisation fails on an empty one (IndexError): both were tracebacks
+    model = _copy_with_config(model_dirs["mixtral"], tmp_path / "m", **changes)
+    line = _error_line(capsys, ["profile", "--model", str(model), "--prompts", str(prompts),
+                                "--out", str(tmp_path / "t")])  # fmt: skip
+    assert str(model) in line and message in line
+
+
+def test_prompts_that_tokenise_to_nothing_are_refused(model_dirs, tmp_path, capsys):
+    # every prompt tokenised to no token: the run exited 0 and marked a trace with no part
+    # finished, which every later command refused as "not a trace"
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.profile.tiny_models import SPECIALS, VOCAB_WORDS
+
+    model = tmp_path / "m"
+    shutil.copytree(model_dirs["mixtral"], model)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (model / name).unlink(missing_ok=True)
+    vocab = {w: i for i, w in enumerate(SPECIALS + VOCAB_WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.Sequence([normalizers.NFD(), normalizers.StripAccents()])
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]")
+    fast.save_pretrained(model)
+    accents = tmp_path / "accents.txt"
+    accents.write_text("\u0301\n\u0301\u0300\n")  # combining marks alone: stripped away
+    out = tmp_path / "t"
+    line = _error_line(capsys, ["profile", "--model", str(model), "--prompts", str(accents),
+                                "--out", str(out)])  # fmt: skip
+    assert "none of the 2 prompt(s) tokenised to any token" in line
+    assert not out.exists()
 
 
 def test_nan_router_weights_are_refused_not_recorded(model_dirs, prompts, tmp_path):

@@ -97,8 +97,9 @@ def test_skip_decode(dump_dir):
 
 def test_segment_rules():
     pos = np.array([0, 1, 2, 0, 1, 5, 6])
-    # extend_seq_lens wins when it sums to the token count
-    assert segment_starts(pos, np.array([2, 5]), 1).tolist() == [1, 0, 1, 0, 0, 0, 0]
+    # extend_seq_lens wins when it sums to the token count (and its segments' positions rise)
+    assert segment_starts(pos, np.array([3, 4]), 1).tolist() == [1, 0, 0, 1, 0, 0, 0]
+    assert segment_starts(pos, np.array([2, 5]), 1).tolist() == [1, 0, 0, 1, 0, 1, 0]
     # otherwise positions decide
     assert segment_starts(pos, None, 1).tolist() == [1, 0, 0, 1, 0, 1, 0]
     assert segment_starts(pos, np.array([3]), 3).tolist() == [1, 0, 0, 1, 0, 1, 0]
@@ -287,6 +288,11 @@ def test_cli_force_onto_the_input_is_one_line(dump_dir, capsys):
             lambda good, r0: dict(good, records=[dict(r0, input_ids=torch.from_numpy(np.full(len(r0["input_ids"]), 2**64 - 1, np.uint64)))]),
             "input_ids value 18446744073709551615 does not fit",
         ),
+        # numpy has no bfloat16: a TypeError traceback
+        (
+            lambda good, r0: dict(good, records=[dict(r0, topk_ids_of_layer=torch.as_tensor(r0["topk_ids_of_layer"]).to(torch.bfloat16))]),
+            "topk_ids_of_layer has shape .* and dtype torch.bfloat16, expected a 3-d integer",
+        ),
         # the file was not named
         (
             lambda good, r0: dict(good, last_physical_to_logical_map=torch.as_tensor(good["last_physical_to_logical_map"]) + 500_000),
@@ -302,6 +308,26 @@ def test_malformed_records_are_one_line_errors(tmp_path, change, message):
         convert_sglang([path])
     assert main(["trace", "ingest", "sglang", str(path), "--out", str(tmp_path / "t")]) == 2
     assert not (tmp_path / "t").exists()
+
+
+def test_sequence_lengths_that_contradict_the_positions_give_way(tmp_path):
+    # one segment of 7 over positions 0 1 2 0 1 2 3: ingest wrote request 0 twice at
+    # positions 0-2, a trace every other command refused
+    pos = np.array([0, 1, 2, 0, 1, 2, 3])
+    assert segment_starts(pos, np.array([7]), 1).tolist() == [1, 0, 0, 1, 0, 0, 0]
+    dumps, _ = fixture.build()
+    name, good = next(iter(dumps.items()))
+    r0 = good["records"][0]
+    n = len(r0["positions"])
+    assert n >= 4
+    positions = list(range(2)) + list(range(n - 2))  # two requests, lengths saying one
+    record = dict(r0, positions=positions, extend_seq_lens=[n])
+    path = _save(tmp_path / name, dict(good, records=[record]))
+    out = tmp_path / "t.parquet"
+    assert main(["trace", "ingest", "sglang", str(path), "--out", str(out)]) == 0
+    batch = open_trace(out).read_all()
+    assert np.unique(batch.request_id).size == 2
+    open_trace(out).request_ids()  # one row per occurrence
 
 
 def test_topk_widths_differing_between_files_are_refused(tmp_path):
