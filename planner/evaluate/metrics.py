@@ -70,10 +70,12 @@ class EvalConfig:
             problems.append(f"batch_tokens={self.batch_tokens!r} must be an integer in [1, 2**40]")
         if not (is_finite_number(self.slack) and self.slack >= 1):
             problems.append(f"slack={self.slack!r} must be a number >= 1")
-        if not whole(self.hidden_size, 0):
-            problems.append(f"hidden_size={self.hidden_size!r} must be an integer >= 0")
-        if not whole(self.dtype_bytes, 1):
-            problems.append(f"dtype_bytes={self.dtype_bytes!r} must be an integer >= 1")
+        # bounded far above any model's, so that the byte counts print as numbers (a
+        # 300-digit hidden size overflowed the table's float and JSON's digit limit)
+        if not whole(self.hidden_size, 0) or self.hidden_size > 2**31:
+            problems.append(f"hidden_size={self.hidden_size!r} must be an integer in [0, 2**31]")
+        if not whole(self.dtype_bytes, 1) or self.dtype_bytes > 64:
+            problems.append(f"dtype_bytes={self.dtype_bytes!r} must be an integer in [1, 64]")
         if not is_bool(self.per_request):
             problems.append(f"per_request={self.per_request!r} must be true or false")
         if problems:
@@ -342,7 +344,7 @@ def _report(acc: _Acc, bundle: Bundle, cfg: EvalConfig, k: int, per_device: int)
         **{name: _nanmean(v) for name, v in imbalances.items()},
         "remote_activations": int(remote_b),
         "remote_activations_vanilla": int(remote_v),
-        # whole activations times bytes in Python ints: no float overflow for any hidden size
+        # whole activations times bytes in Python ints: exact for any trace
         "all_to_all_bytes": int(remote_b) * bytes_per if bytes_per else None,
         "all_to_all_bytes_vanilla": int(remote_v) * bytes_per if bytes_per else None,
     }

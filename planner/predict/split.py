@@ -157,9 +157,7 @@ def trace_domains(trace) -> list[str]:
     # on both sides, its held-out tokens fitted on.
     domain_of: dict[int, str] = {}
     for batch in trace.iter_batches(extras=(DOMAIN_COLUMN,), weights=False, validate=False):
-        names, codes = np.unique(
-            np.asarray(batch.extras[DOMAIN_COLUMN]).astype(str), return_inverse=True
-        )
+        names, codes = np.unique(_domain_names(batch), return_inverse=True)
         names = names.tolist()  # plain str, for the message
         rid = np.asarray(batch.request_id)
         pairs = np.unique(np.stack([rid, codes.astype(np.int64)], axis=1), axis=0)
@@ -173,13 +171,19 @@ def trace_domains(trace) -> list[str]:
     return sorted(set(domain_of.values()))
 
 
+def _domain_names(batch) -> np.ndarray:
+    """[T] str: each row's domain as a string, stripped as the names a user gives are."""
+    return np.char.strip(np.asarray(batch.extras[DOMAIN_COLUMN]).astype(str))
+
+
 def split_trace_by_domain(
     path: str | Path, fit_out: str | Path, heldout_out: str | Path, domains: list[str]
 ) -> dict:
     """Hold out every request of ``domains``; the other domains' requests go to the fitting side.
 
-    Domains are matched as strings (a synthetic trace's integer domain 1 is ``"1"``); at least
-    one domain must stay on the fitting side. Both outputs are written atomically.
+    Domains are matched as strings, stripped of surrounding spaces (a synthetic trace's
+    integer domain 1 is ``"1"``); at least one domain must stay on the fitting side. Both
+    outputs are written atomically.
     """
     trace = open_trace(path)
     trace.request_ids()  # refuses a repeated (request, position) occurrence
@@ -200,7 +204,7 @@ def split_trace_by_domain(
         trace,
         fit_out,
         heldout_out,
-        lambda b: np.isin(np.asarray(b.extras[DOMAIN_COLUMN]).astype(str), held),
+        lambda b: np.isin(_domain_names(b), held),
     )
     return {"kind": "domain", "heldout_domains": wanted, "domains": available} | counts
 

@@ -134,6 +134,9 @@ def test_compare_on_an_empty_heldout_trace_is_one_line(tmp_path, capsys):
         ({"slack": True}, "slack=True must be a number >= 1"),
         ({"batch_tokens": True}, "batch_tokens=True must be an integer"),
         ({"hidden_size": 1.0}, "hidden_size=1.0 must be an integer"),
+        # a 300-digit size: the table's byte column overflowed a float (a traceback)
+        ({"hidden_size": 10**310}, r"hidden_size=1000.* must be an integer in \[0, 2\*\*31\]"),
+        ({"dtype_bytes": 65}, r"dtype_bytes=65 must be an integer in \[1, 64\]"),
     ],
 )
 def test_eval_config_refuses_bools_and_floats_for_its_numbers(kwargs, message):

@@ -120,6 +120,26 @@ def test_split_by_domain_refuses_a_request_of_two_domains(tmp_path, exact_trace)
     assert not (tmp_path / "f").exists() and not (tmp_path / "h").exists()
 
 
+def test_a_domain_named_with_surrounding_spaces_can_be_held_out(tmp_path, exact_trace):
+    # the names given were stripped, the column's were not: "code " could not be held out
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from planner.predict.split import split_trace_by_domain, trace_domains
+    from planner.trace import open_trace
+
+    path, _ = exact_trace
+    table = pq.read_table(open_trace(path).parts[0])
+    domain = np.char.add(np.asarray(table.column("domain")).astype(str), " ")  # "0 ", "1 "
+    column = pa.array(domain.tolist())
+    spaced = table.set_column(table.column_names.index("domain"), "domain", column)
+    pq.write_table(spaced.replace_schema_metadata(table.schema.metadata), tmp_path / "s.parquet")
+    assert trace_domains(open_trace(tmp_path / "s.parquet")) == ["0", "1"]
+    for name in ("1 ", "1"):
+        s = split_trace_by_domain(tmp_path / "s.parquet", tmp_path / "f", tmp_path / "h", [name])
+        assert s["heldout_domains"] == ["1"] and s["heldout_tokens"] > 0 and s["fit_tokens"] > 0
+
+
 def test_split_by_domain_needs_a_domain_column(tmp_path):
     from planner.predict.split import split_trace_by_domain
     from planner.trace import TraceMeta
