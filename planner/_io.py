@@ -7,12 +7,14 @@ directory (same filesystem), then moved into place with ``os.replace``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fnmatch
 import hashlib
 import json
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -342,3 +344,33 @@ def sha256_file(path: str | os.PathLike) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
+
+
+@contextlib.contextmanager
+def native_stdout(log: bool = False) -> Iterator[None]:
+    """Send what native code writes to file descriptor 1 elsewhere for the block: to
+    descriptor 2 when ``log`` (a solver's log the user asked for), else to /dev/null.
+
+    METIS (printf: "Cannot bisect a graph with 0 vertices!"), HiGHS through PuLP (a licence
+    banner, in its child process too, which inherits the descriptor) and HiGHS through
+    scipy's milp (debug lines no option silences) write there directly, past sys.stdout:
+    ``--json`` output must stay JSON. What C buffered meanwhile is flushed to the sink too.
+    """
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no descriptor 1 (a detached process): nothing to protect
+        yield
+        return
+    sink = None if log else os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(2 if sink is None else sink, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        with contextlib.suppress(OSError, AttributeError, TypeError):  # no C library
+            ctypes.CDLL(None).fflush(None)
+        os.dup2(saved, 1)
+        os.close(saved)
+        if sink is not None:
+            os.close(sink)

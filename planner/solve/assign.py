@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from planner._io import native_stdout
 from planner.solve.effort import Effort, charge
 from planner.solve.problem import LOAD_RTOL
 
@@ -212,10 +213,11 @@ def _assign_exact(
     rows = np.broadcast_to(np.arange(e), gain.shape).ravel()
     per_device = coo_matrix((load.ravel(), (rows, np.arange(gain.size))), shape=(e, gain.size))
     capacity = LinearConstraint(per_device, -np.inf, room)
-    result = milp(
-        -gain.ravel(), constraints=[one_device, capacity], integrality=np.ones(gain.size),
-        bounds=Bounds(0, 1), options={"time_limit": 2.0},
-    )  # fmt: skip
+    with native_stdout():  # HiGHS' debug lines, which no option silences
+        result = milp(
+            -gain.ravel(), constraints=[one_device, capacity], integrality=np.ones(gain.size),
+            bounds=Bounds(0, 1), options={"time_limit": 2.0},
+        )  # fmt: skip
     if result.x is None:
         return None
     return result.x.reshape(num_tokens, e).argmax(axis=1).astype(np.int64)

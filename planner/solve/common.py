@@ -90,7 +90,7 @@ def assign_for_problem(
 
     "cap": :func:`assign_tokens` with capacity ``beta * S / E``. "penalty": the paper's
     θ-weighted objective has no cap; :func:`assign_tokens` runs under a ladder of caps
-    (1.0 ... 2.0 times the mean load, and none) and the best penalised objective wins.
+    (1.0 ... 1.5 times the mean load, and none) and the best penalised objective wins.
     """
     freq = problem.token_freq
     if problem.balance == "cap":

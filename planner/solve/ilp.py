@@ -19,7 +19,9 @@ dev_d`` with ``dev_d >= |load_d - S/E|`` ("penalty" mode). Constraints (named as
   counted as at most the cap (a token heavier than the cap fills a device alone), then with
   the cap raised by the heaviest token on every device (the slack rule of
   :mod:`planner.solve.problem`); ``info["token_rule"]`` (``cap``, ``heavy_fill`` or
-  ``slack``) and ``info["token_cap"]`` say which;
+  ``slack``) and ``info["token_cap"]`` say which (``program_token_rule`` and
+  ``program_token_cap`` when the program held only the most frequent tokens, whose own cap
+  it scales; ``token_cap`` is then the problem's, under which every token is placed);
 - ``zx_j_k_d``: ``z <= x[k, d]``; ``zy_j_k_d``: ``z <= y[j, d]``.
 
 Symmetry breaking (``symmetry_breaking``, on by default): devices are interchangeable, so
@@ -67,7 +69,6 @@ layer of a model solve writes its own file, the layer's index before the suffix 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -75,7 +76,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
@@ -85,7 +85,7 @@ import numpy as np
 import pulp
 from pulp.apis import coin_api
 
-from planner._io import atomic_path
+from planner._io import atomic_path, native_stdout
 from planner.errors import InfeasibleError, InputError
 from planner.solve import highs_child
 from planner.solve.assign import heavy_fill_loads, shift_to_one
@@ -150,7 +150,7 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
         with atomic_path(lp_path) as tmp:
             prog.writeLP(str(tmp))
     solve_started = time.perf_counter()
-    with _solver_stdout(bool(opts["msg"])):
+    with native_stdout(bool(opts["msg"])):
         prog.solve(solver)
     status = _status(prog)
     token_rule = "cap"
@@ -169,7 +169,7 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
             )  # fmt: skip
             # the fallbacks share the time limit with the first program
             solver.timeLimit = max(solve_started + time_limit - time.perf_counter(), 1.0)
-            with _solver_stdout(bool(opts["msg"])):
+            with native_stdout(bool(opts["msg"])):
                 prog.solve(solver)
             status = _status(prog)
             if status != "infeasible":
@@ -213,10 +213,19 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
         "bound": None if bound is None else math.ldexp(bound, -shift),
         "symmetry_breaking": bool(opts["symmetry_breaking"]),
         "time_limit": time_limit,
-        "token_cap": capacity if np.isfinite(capacity) else None,
-        "token_rule": token_rule,
         "start": start is not None,
     }
+    if problem.balance == "cap":
+        cap_info: dict[str, object] = {
+            "token_cap": capacity if np.isfinite(capacity) else None,
+            "token_rule": token_rule,
+        }
+        if not exact:
+            # the program placed the kept tokens under their own scaled cap; every token is
+            # then placed by the shared assignment under the problem's
+            cap_info = {f"program_{k}": v for k, v in cap_info.items()}
+            cap_info["token_cap"] = problem.capacity
+        info |= cap_info
     if over > 1.0:
         info["seconds_over_limit"] = round(over, 1)
     if getattr(solver, "stopped", False):
@@ -374,31 +383,6 @@ def _tokens_in_budget(problem: LayerProblem, max_variables: int) -> np.ndarray:
     fits = np.cumsum(nnz[order]) * problem.ep_size <= max_variables
     count = max(int(fits.sum()), min(1, problem.num_tokens))
     return np.sort(order[:count])
-
-
-@contextlib.contextmanager
-def _solver_stdout(log: bool) -> Iterator[None]:
-    """Send what is written to file descriptor 1 elsewhere meanwhile: to descriptor 2 when
-    the solver's log is wanted (``msg``), else to /dev/null. HiGHS prints a licence banner
-    on stdout when PuLP creates it and again in its child process (which inherits the
-    descriptor), before any option can silence it: ``--json`` output must stay JSON, and
-    without ``msg`` the banner is only noise (two lines a layer in the README's main job)."""
-    sys.stdout.flush()
-    try:
-        saved = os.dup(1)
-    except OSError:  # no descriptor 1
-        yield
-        return
-    sink = None if log else os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(2 if sink is None else sink, 1)
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-        if sink is not None:
-            os.close(sink)
 
 
 class _HighsWithStart(pulp.HiGHS):

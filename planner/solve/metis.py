@@ -22,15 +22,12 @@ then placed by the shared capacity assignment on the repaired expert placement.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import os
-import sys
 import time
 
 import numpy as np
 import pymetis
 
+from planner._io import native_stdout
 from planner.errors import InputError
 from planner.solve.common import (
     assign_for_problem,
@@ -96,7 +93,7 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
         vweights = np.concatenate((np.full(problem.num_experts, expert_w, dtype=np.int64), token_w))
         seed = (int(config.seed) + cut) % _SEED_MODULUS  # any seed: METIS's are 64-bit
         options = pymetis.Options(seed=seed, ufactor=ufactor)
-        with _c_stdout_silenced():
+        with native_stdout():  # METIS' printf complaints about small graphs
             _, membership = pymetis.part_graph(
                 problem.ep_size, adjacency, vweights=vweights, eweights=eweights, options=options
             )
@@ -125,35 +122,6 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     return finish(
         problem, "metis", x, seed=config.seed, started=started, token_to_device=t, info=info
     )
-
-
-@contextlib.contextmanager
-def _c_stdout_silenced():
-    """Send what C code prints on file descriptor 1 to /dev/null for the block.
-
-    METIS prints its complaints about small graphs ("Cannot bisect a graph with 0
-    vertices!") with C's printf, which would corrupt ``moeplan compare --json``; it still
-    returns a partition, which the repair then handles like any other.
-    """
-    sys.stdout.flush()
-    try:
-        saved = os.dup(1)
-    except OSError:  # no file descriptor 1 (e.g. a detached process): nothing to protect
-        yield
-        return
-    try:
-        with open(os.devnull, "wb") as null:
-            os.dup2(null.fileno(), 1)
-        yield
-    finally:
-        _flush_c_stdio()  # what C buffered goes to /dev/null too, not to the real stdout later
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
-def _flush_c_stdio() -> None:
-    with contextlib.suppress(OSError, AttributeError, TypeError):  # no C library (Windows)
-        ctypes.CDLL(None).fflush(None)
 
 
 def _as_tuple(value) -> tuple:

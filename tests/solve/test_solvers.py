@@ -295,6 +295,14 @@ def test_ilp_on_too_large_instances_keeps_the_frequent_tokens(small_problem) -> 
     assert not p.info["exact"]
     assert 0 < p.info["tokens_in_program"] < small_problem.num_tokens
     assert "most frequent" in p.info["note"]
+    # the cap reported is the one the plan's tokens were placed under, not the program's
+    # (scaled to the kept tokens' load: it read 39.6 where the plan's cap was 93.8)
+    assert p.info["token_cap"] == small_problem.capacity and "token_rule" not in p.info
+    assert 0 < p.info["program_token_cap"] < small_problem.capacity
+    assert p.info["program_token_rule"] in ("cap", "heavy_fill", "slack")
+    penalty = dataclasses.replace(small_problem, balance="penalty")
+    p = solve_layer(penalty, "ilp", config(ilp={"max_variables": 400}))
+    assert not {"token_cap", "token_rule"} & p.info.keys()  # penalty mode has no cap
 
 
 def test_metis_prints_nothing_on_stdout(capfd) -> None:
@@ -302,6 +310,18 @@ def test_metis_prints_nothing_on_stdout(capfd) -> None:
     # than a small graph can give; that text once led `moeplan compare --json`'s output
     p = solve_layer(random_problem(4, 64, 32), "metis", SolverConfig())
     assert np.bincount(p.expert_to_device, minlength=32).tolist() == [2] * 32
+    out, _ = capfd.readouterr()
+    assert out == ""
+
+
+def test_the_exact_token_assignment_prints_nothing_on_stdout(capfd) -> None:
+    # scipy's milp (HiGHS) wrote "HighsMipSolverData::transformNewIntegerFeasibleSolution
+    # tmpSolver.run();" to descriptor 1 for the few-token assignment every solver's finish
+    # uses, ahead of `moeplan solve --json`'s JSON
+    capfd.readouterr()
+    solve_layer(
+        random_problem(61, 8, 4, seed=41, top_k=2, noise=0.3, beta=1.1), "metis", SolverConfig()
+    )
     out, _ = capfd.readouterr()
     assert out == ""
 
