@@ -675,16 +675,21 @@ def nearest_known_tokens(embeddings: np.ndarray, seen: np.ndarray) -> np.ndarray
         np.linalg.norm(np.asarray(embeddings[s : s + _NEAREST_BLOCK], np.float64), axis=1)
         for s in range(0, v, _NEAREST_BLOCK)
     ])  # fmt: skip
+
+    # Both sides scaled to unit length in float64 (a known row below a fixed floor was not
+    # scaled up, and a query of subnormal values made every product 0), then compared in
+    # float32.
+    def unit(rows: np.ndarray) -> np.ndarray:
+        scale = np.where(norms[rows] > 0, norms[rows], 1.0)[:, None]
+        return (np.asarray(embeddings[rows], np.float64) / scale).astype(np.float32)
+
     unit_known = np.concatenate([
-        (np.asarray(embeddings[rows], np.float64) / np.maximum(norms[rows], 1e-12)[:, None])
-        .astype(np.float32)
-        for rows in np.array_split(known, max(1, -(-known.size // _NEAREST_BLOCK)))
+        unit(rows) for rows in np.array_split(known, max(1, -(-known.size // _NEAREST_BLOCK)))
     ])  # fmt: skip
     valid_known = norms[known] > 0
     for start in range(0, unseen.size, _NEAREST_BLOCK):
         block = unseen[start : start + _NEAREST_BLOCK]
-        q = np.asarray(embeddings[block], np.float32)
-        sims = q @ unit_known.T  # row scale does not change the argmax
+        sims = unit(block) @ unit_known.T
         sims[:, ~valid_known] = -np.inf
         best = np.argmax(sims, axis=1)
         ok = (norms[block] > 0) & valid_known.any()

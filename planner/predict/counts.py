@@ -403,14 +403,25 @@ class CountsSelection:
     vocab_size: int | None = None
 
 
-def _dictionary_values(table: pa.Table, column: str) -> list[str]:
-    return sorted(str(v) for v in pc.unique(table.column(column).cast(pa.string())).to_pylist())
+def _dictionary_values(table: pa.Table, column: str, path: Path) -> list[str]:
+    """The distinct values of a name column (``model``, ``domain``) as strings; SchemaError
+    for a column of another kind (a list cast to strings was a traceback) or with nulls
+    (which became a domain named "None" that no selection could pick)."""
+    values = table.column(column)
+    kind = values.type.value_type if pa.types.is_dictionary(values.type) else values.type
+    if not (
+        pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_integer(kind)
+    ):
+        raise SchemaError(f"{path}: column {column} is {values.type}, expected names (strings)")
+    if values.null_count:
+        raise SchemaError(f"{path}: column {column} holds {values.null_count} null value(s)")
+    return sorted(str(v) for v in pc.unique(values.cast(pa.string())).to_pylist())
 
 
 def _pick_model(table: pa.Table, wanted: str | None, path: Path) -> str | None:
     if "model" not in table.column_names:
         return None
-    models = _dictionary_values(table, "model")
+    models = _dictionary_values(table, "model", path)
     if wanted is None:
         if len(models) == 1:
             return models[0]
@@ -471,10 +482,10 @@ def read_counts_table(
         table = table.filter(pc.equal(table.column("model").cast(pa.string()), model))
     # The model's layers, before any domain filter: every domain maps a model layer to
     # the same MoE layer index.
-    layer_values = np.unique(table.column("layer").to_numpy()).astype(np.int64)
+    layer_values = np.unique(_int_column(table, "layer", path))
     domains: tuple[str, ...] = ()
     if "domain" in table.column_names:
-        available = _dictionary_values(table, "domain")
+        available = _dictionary_values(table, "domain", path)
         if selection.domains:
             unknown = [d for d in selection.domains if d not in available]
             if unknown:

@@ -107,6 +107,21 @@ def test_nearest_known_is_cosine_not_euclidean():
     assert nearest_known_tokens(emb, seen).tolist() == [0, 1, 0]
 
 
+def test_nearest_known_is_scale_free_for_tiny_embeddings_too():
+    # a known row below the old 1e-12 floor kept its tiny length and lost every match, and
+    # a subnormal query made every product 0 (the first known token won)
+    emb = np.array([[1e-13, 0, 0], [0.5, 0.5, 0], [1, 0, 0]], np.float32)
+    assert nearest_known_tokens(emb, np.array([True, True, False])).tolist() == [0, 1, 0]
+    emb = np.array([[1, 0], [0.6, 0.8], [1e-40, 1e-40]], np.float32)
+    assert nearest_known_tokens(emb, np.array([True, True, False])).tolist() == [0, 1, 1]
+    rng = np.random.default_rng(1)
+    base = rng.integers(-3, 4, size=(100, 8)).astype(np.float32)
+    seen = rng.random(100) < 0.5
+    for scale in (1e-14, 1e-30):
+        got = nearest_known_tokens(base * np.float32(scale), seen)
+        assert got.tolist() == nearest_known_tokens(base, seen).tolist()
+
+
 def test_nearest_known_survives_huge_embeddings():
     # Squares of float32 values near 1e30 overflow: the match must be scale-free, no warning.
     rng = np.random.default_rng(0)

@@ -242,6 +242,57 @@ def test_real_layout_selection_and_layer_mapping(tmp_path):
     assert other.meta.num_layers == 1
 
 
+@pytest.mark.parametrize(
+    "column, values, message",
+    [
+        # the layer column was read before its type was checked: ValueError/TypeError
+        ("layer", pa.array(["a", "b", "c"]), "column layer is string, expected integers"),
+        ("layer", pa.nulls(3, pa.int16()), "column layer holds 3 null value"),
+        # a list cast to strings: ArrowNotImplementedError
+        ("domain", pa.array([[1], [2], [3]]), "column domain is list<.*>, expected names"),
+        ("model", pa.array([[1], [2], [3]]), "column model is list<.*>, expected names"),
+        # a null domain became a domain "None" that no --domain could select
+        ("domain", pa.array(["a", None, "b"]), "column domain holds 1 null value"),
+        ("model", pa.array(["m", None, "m"]), "column model holds 1 null value"),
+    ],
+)
+def test_counts_name_and_layer_columns_of_the_wrong_kind_are_one_line(
+    tmp_path, column, values, message
+):
+    import json
+
+    table = pa.table({
+        "layer": pa.array([0, 0, 1], pa.int16()), "token_id": pa.array([1, 2, 3], pa.int32()),
+        "expert": pa.array([0, 1, 2], pa.int16()), "count": pa.array([2, 2, 2], pa.int64()),
+    })  # fmt: skip
+    if column in table.column_names:
+        table = table.set_column(table.column_names.index(column), column, values)
+    else:
+        table = table.append_column(column, values)
+    meta = {"schema": "counts", "num_experts": 4, "top_k": 2, "vocab_size": 5}
+    path = tmp_path / "c.parquet"
+    pq.write_table(table.replace_schema_metadata({"moeplan": json.dumps(meta)}), path)
+    with pytest.raises(SchemaError, match=message):
+        read_counts_table(path, CountsSelection(model="m" if column == "model" else None))
+
+
+def test_numpy_shapes_and_sizes_reach_the_saved_predictor(tmp_path):
+    # they passed the checks, then the save failed ("int64 is not JSON serializable") after
+    # the work
+    from planner.predict.fit import FitConfig, fit_predictor
+    from planner.predict.predictor import Predictor
+
+    table = pa.table({
+        "layer": pa.array([0, 0, 1, 1], pa.int16()), "token_id": pa.array([1, 2, 3, 1], pa.int32()),
+        "expert": pa.array([0, 1, 2, 3], pa.int16()), "count": pa.array([2, 2, 2, 2], pa.int64()),
+    })  # fmt: skip
+    pq.write_table(table, tmp_path / "c.parquet")
+    shapes = CountsSelection(num_experts=np.int64(4), top_k=np.int64(2), vocab_size=np.int64(5))
+    config = FitConfig(counts=shapes, ep_size=np.int64(2), ngram_order=np.int64(1), progress=False)
+    fit_predictor(tmp_path / "c.parquet", config).predictor.save(tmp_path / "p")
+    assert Predictor.load(tmp_path / "p").meta.num_experts == 4
+
+
 def test_rows_of_count_zero_are_dropped_and_the_fitted_predictor_loads(tmp_path):
     # A table may list a (token, expert) pair with count 0; kept as an explicit zero it
     # was saved into the predictor, whose loader refuses non-positive counts, so `fit`
