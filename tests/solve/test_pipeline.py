@@ -421,11 +421,14 @@ def test_evaluate_edges_huge_hidden_size_and_an_empty_trace(pipeline, tmp_path, 
     assert main(["solve", str(tmp_path / "pred"), "--ep", "2", "--method", "vanilla",
                  "--out", str(plan)]) == 0  # fmt: skip
     capsys.readouterr()
-    hidden = 10**30  # bytes in Python ints: float(remote * bytes) overflowed from ~1e308
+    hidden = 2**31  # the largest taken; bytes in Python ints, exact
     args = ["evaluate", str(plan), str(d / "held"), "--json", "--dtype-bytes", "2"]
     assert main([*args, "--hidden-size", str(hidden)]) == 0
     overall = json.loads(capsys.readouterr().out)["overall"]
     assert overall["all_to_all_bytes"] == overall["remote_activations"] * hidden * 2 * 2
+    # a size past it is one line (a 300-digit one overflowed the table's float: a traceback)
+    assert main([*args[:-3], "--hidden-size", "1" + "0" * 310]) == 2
+    assert "must be an integer in [0, 2**31]" in capsys.readouterr().err
     meta = open_trace(path).meta
     empty = TraceBatch.from_arrays([], [], [], np.zeros((0, meta.num_layers, meta.top_k)),
                                    np.zeros((0, meta.num_layers, meta.top_k)))  # fmt: skip
