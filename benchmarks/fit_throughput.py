@@ -12,10 +12,12 @@ Each repeat runs in a fresh child process so that its peak RSS (VmHWM) is the fi
   pass over the Parquet parts (read, count, top-1 transitions) and the table fit;
   ``pass_s`` is the streaming pass, ``total_s`` adds the table fit.
 * ``accumulate``: the counting alone (:class:`CountsAccumulator` and
-  :class:`TransitionAccumulator`) on batches already in memory: the hot path without I/O.
+  :class:`TransitionAccumulator`, counting the n-gram statistic fit counts by default) on
+  batches already in memory: the hot path without I/O.
 
 Throughput is routed activations (tokens x layers x k) per second, best (minimum time)
-and median over repeats. The target of the issue is 20M activations/s on a 2-core
+and median over repeats, of the pass; ``activations_per_s_total_best`` of the whole fit,
+which ``target_met_end_to_end`` judges (``target_met_pass``: the pass alone). The target of the issue is 20M activations/s on a 2-core
 machine; the machine's load average is recorded because other processes skew timings.
 
     python benchmarks/fit_throughput.py [--tokens 200000] [--repeats 3] [--trace DIR] [--out FILE]
@@ -67,7 +69,9 @@ def child(mode: str, trace: str) -> dict:
         base_rss = peak_rss_mib()
         t0 = time.perf_counter()
         acc = CountsAccumulator(t.meta)
-        trans = TransitionAccumulator(t.meta.num_layers, t.meta.num_experts)
+        # the statistic fit counts by default (top-1 tuples; routed ones are k times as many)
+        routed = FitConfig().ngram_routed
+        trans = TransitionAccumulator(t.meta.num_layers, t.meta.num_experts, routed=routed)
         for r in rows:
             acc.add(r.token_id, r.experts)
             trans.add(r.experts)
@@ -96,7 +100,8 @@ def measure(mode: str, trace: str, repeats: int) -> dict:
         "peak_rss_mib": max(r["peak_rss_mib"] for r in runs),
     }
     if "total_s" in runs[0]:
-        out["total_s"] = [r["total_s"] for r in runs]
+        totals = [r["total_s"] for r in runs]
+        out |= {"total_s": totals, "activations_per_s_total_best": round(acts / min(totals))}
     return out
 
 
@@ -144,7 +149,9 @@ def main() -> None:
             "load_average_after": [round(x, 2) for x in os.getloadavg()],
             "target_activations_per_s": TARGET,
         }
-        result["target_met_end_to_end"] = result["fit"]["activations_per_s_best"] >= TARGET
+        # end to end: the whole fit (the pass and the table fit), not the pass alone
+        result["target_met_pass"] = result["fit"]["activations_per_s_best"] >= TARGET
+        result["target_met_end_to_end"] = result["fit"]["activations_per_s_total_best"] >= TARGET
         result["target_met_accumulate"] = result["accumulate"]["activations_per_s_best"] >= TARGET
     emit_json(result, args.out)
 

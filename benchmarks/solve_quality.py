@@ -323,7 +323,12 @@ def main(argv=None) -> int:
         ap.error(f"--sections must name some of {', '.join(SECTIONS)}, got {args.sections!r}")
     started = time.perf_counter()
     data = load_counts(args.counts)
-    rng = np.random.default_rng(args.seed)
+
+    def rng(model: str, layer: int, draw: int) -> np.random.Generator:
+        # one generator a draw, from the case alone: a case's split does not depend on
+        # which sections ran before it
+        return np.random.default_rng([args.seed, sorted(MODELS).index(model), layer, draw])
+
     layers = (7,) if args.quick else (0, 7, 15)
     results = []
 
@@ -339,7 +344,7 @@ def main(argv=None) -> int:
         spec = MODELS[model]
         all_counts = pooled(domains)
         for split, share in (("thin20", 0.2), ("thin80", 0.8)) if "thin" in sections else ():
-            fit, held = thin(*all_counts, share, rng)
+            fit, held = thin(*all_counts, share, rng(model, layer, int(share * 100)))
             for ep in spec["ep"]:
                 ablation = (
                     ABLATION
@@ -349,14 +354,15 @@ def main(argv=None) -> int:
                 case = {"model": model, "layer": layer, "split": split}
                 run(case, fit, held, spec, ep, METHODS, ablation)
         pairs = (CROSS_PAIRS[:1] if args.quick else CROSS_PAIRS) if "cross" in sections else ()
-        for src, dst in pairs:
+        for pair, (src, dst) in enumerate(pairs):
             if src not in domains or dst not in domains:
                 continue
+            # in-domain reference: fit on 20% of the destination domain itself (one draw a
+            # pair, every EP size)
+            fit, held = thin(*domains[dst], 0.2, rng(model, layer, 1000 + pair))
             for ep in spec["ep"]:
                 case = {"model": model, "layer": layer, "split": f"cross {src}->{dst}"}
                 r = run(case, domains[src], domains[dst], spec, ep, METHODS)
-                # in-domain reference: fit on 20% of the destination domain itself
-                fit, held = thin(*domains[dst], 0.2, rng)
                 ref = evaluate_case(
                     {**case, "split": f"in-domain {dst}"}, fit, held, spec, ep, ("ceo",), args.seed
                 )

@@ -41,11 +41,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from queue import Empty
 
 import numpy as np
 from _common import peak_rss_mib  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from scipy import sparse
 
+from planner.solve.ceo import DEFAULT_EFFORT, model_layer_effort
 from planner.solve.ngram_term import DEFAULT_WEIGHT
 
 TARGET_LAYER_S = 10.0
@@ -77,7 +79,7 @@ def _csr_load(data, prefix: str) -> sparse.csr_matrix | None:
     return sparse.csr_matrix(tuple(parts), shape=tuple(data[prefix + "shape"]))
 
 
-def _child(method: str, instance: str, ep: int, seed: int, expert_beta, queue) -> None:
+def _child(method: str, instance: str, ep: int, seed: int, expert_beta, ceo_options, queue):
     from planner.solve.expert_balance import expert_imbalance
     from planner.solve.problem import LayerProblem, SolverConfig
     from planner.solve.registry import solve_layer
@@ -88,6 +90,8 @@ def _child(method: str, instance: str, ep: int, seed: int, expert_beta, queue) -
     base = peak_rss_mib()
     name, _, variant = method.partition(":")
     options = {name: {"variant": variant}} if variant else {}
+    if name == "ceo" and ceo_options:
+        options["ceo"] = options.get("ceo", {}) | ceo_options
     started = time.perf_counter()
     config = SolverConfig(seed=seed, options=options, expert_beta=expert_beta)
     placement = solve_layer(problem, name, config)
@@ -104,13 +108,23 @@ def _child(method: str, instance: str, ep: int, seed: int, expert_beta, queue) -
     })  # fmt: skip
 
 
-def run_child(method: str, instance: str, ep: int, seed: int, expert_beta=None) -> dict:
+def run_child(
+    method: str, instance: str, ep: int, seed: int, expert_beta=None, ceo_options=None
+) -> dict:
     """Solve in a fresh spawned process so that its peak RSS is the solve's own."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(method, instance, ep, seed, expert_beta, queue))
+    args = (method, instance, ep, seed, expert_beta, ceo_options, queue)
+    proc = ctx.Process(target=_child, args=args)
     proc.start()
-    result = queue.get()
+    while True:  # a child that fails (an error, killed for memory) must not hang the run
+        try:
+            result = queue.get(timeout=2.0)
+            break
+        except Empty:
+            if not proc.is_alive():
+                died = f"{method} at EP {ep}: the solving process died (exit {proc.exitcode})"
+                raise SystemExit(died) from None
     proc.join()
     return result
 
@@ -235,6 +249,10 @@ def main(argv=None) -> int:
         "--batches", choices=BATCH_ORDERS, default="trace", help="fitting batches (module doc)"
     )
     ap.add_argument(
+        "--ceo-options", type=json.loads, default=None,
+        help='CEO options as JSON for every CEO solve, e.g. \'{"expert_cap": "search"}\'',
+    )  # fmt: skip
+    ap.add_argument(
         "--expert-beta", type=float, default=None,
         help="the expert-load cap of every solve but vanilla (SolverConfig.expert_beta)",
     )  # fmt: skip
@@ -248,7 +266,9 @@ def main(argv=None) -> int:
         np.savez(instance, freq=a, ids=ids, **_csr_arrays("", w), **extra)
         for ep in eps:
             for method in args.methods.split(","):
-                results.append(run_child(method, instance, ep, args.seed, args.expert_beta))
+                results.append(
+                    run_child(method, instance, ep, args.seed, args.expert_beta, args.ceo_options)
+                )
                 _print_row(results[-1])
     report = {"benchmark": "solve_speed", "occurrences": args.occurrences,
               "batches": args.batches, "expert_beta": args.expert_beta,
@@ -257,9 +277,14 @@ def main(argv=None) -> int:
     if ceo:
         report["ceo_layer_target_s"] = TARGET_LAYER_S
         report["ceo_layer_within_target"] = {ep: s <= TARGET_LAYER_S for ep, s in ceo.items()}
-        # jobs processes share the CPU cores; estimate assumes a perfect split over jobs
+        # jobs processes share the CPU cores; estimate assumes a perfect split over jobs,
+        # and a time in proportion to the budget a model of that many layers gives a layer
+        # (the single layer ran at DEFAULT_EFFORT; fewer than 58 layers get more each)
+        scale = model_layer_effort(args.model_layers) / DEFAULT_EFFORT
+        if "effort" in (args.ceo_options or {}):
+            scale = 1.0  # the layer ran at the budget asked for
         report["model_estimate_s"] = {
-            ep: s * args.model_layers / max(1, args.jobs) for ep, s in ceo.items()
+            ep: s * scale * args.model_layers / max(1, args.jobs) for ep, s in ceo.items()
         }
     if args.full:
         report["model"] = whole_model(
