@@ -224,7 +224,7 @@ def check_output(
     if path.exists() and not path.is_dir():
         raise InputError(f"{path}: exists and is a file; a {what} is a directory")
     cwd = Path.cwd().resolve()
-    if path.resolve() == cwd or path.resolve() in cwd.parents:
+    if (here := path.resolve()) == cwd or here in cwd.parents:
         # `--out .`: the swap cannot rename the folder the command runs in (it left a
         # backup folder behind); done from outside, it would leave the shell in a deleted one
         raise InputError(

@@ -127,14 +127,13 @@ def fit_predictor(path: str | Path, config: FitConfig = FitConfig()) -> FitResul
         raise InputError(f"ep_size={config.ep_size!r} must be a positive integer")
     if not is_integer(config.ngram_order) or config.ngram_order not in (1, 2, 3):
         raise InputError(f"ngram_order={config.ngram_order!r} must be 1, 2 or 3")
-    shapes: dict[str, Any] = {}
-    for key in ("num_experts", "top_k", "vocab_size"):
-        value = getattr(config.counts, key)
-        if value is not None:
-            if not is_integer(value) or value <= 0:
-                raise InputError(f"{key}={value!r} must be a positive integer")
-            shapes[key] = int(value)
-    # as Python numbers too (a numpy integer failed the save, after the work)
+    # as Python numbers too (a numpy integer failed the save, after the work); the counts
+    # table's reader checks the shapes
+    shapes: dict[str, Any] = {
+        key: int(value)
+        for key in ("num_experts", "top_k", "vocab_size")
+        if is_integer(value := getattr(config.counts, key))
+    }
     config = replace(
         config, ep_size=int(config.ep_size), ngram_order=int(config.ngram_order),
         counts=replace(config.counts, **shapes),

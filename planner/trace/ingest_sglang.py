@@ -165,13 +165,14 @@ def dump_files(paths: Sequence[str | Path]) -> list[Path]:
 def _to_numpy(value, what: str, where: Path, ndim: int) -> np.ndarray:
     import torch
 
+    def not_integers(shape: tuple, dtype: object) -> SchemaError:
+        return SchemaError(
+            f"{where}: {what} has shape {shape} and dtype {dtype}, expected a {ndim}-d integer array"
+        )
+
     if isinstance(value, torch.Tensor):
         if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
-            # numpy has no bfloat16: refused before .numpy(), as any non-integer array is
-            raise SchemaError(
-                f"{where}: {what} has shape {tuple(value.shape)} and dtype {value.dtype}, "
-                f"expected a {ndim}-d integer array"
-            )
+            raise not_integers(tuple(value.shape), value.dtype)  # before .numpy(): no bfloat16
         arr = value.detach().cpu().numpy()
     elif isinstance(value, list | tuple):
         try:
@@ -186,10 +187,7 @@ def _to_numpy(value, what: str, where: Path, ndim: int) -> np.ndarray:
     else:
         raise SchemaError(f"{where}: {what} is a {type(value).__name__}, expected a tensor or list")
     if arr.ndim != ndim or not (np.issubdtype(arr.dtype, np.integer)):
-        raise SchemaError(
-            f"{where}: {what} has shape {arr.shape} and dtype {arr.dtype}, "
-            f"expected a {ndim}-d integer array"
-        )
+        raise not_integers(arr.shape, arr.dtype)
     if arr.dtype == np.uint64 and arr.size and arr.max() > np.iinfo(np.int64).max:
         # astype(int64) would wrap it to a negative id (-1: padding, an unknown token)
         raise SchemaError(f"{where}: {what} value {int(arr.max())} does not fit int64")

@@ -560,9 +560,9 @@ class Trace:
         for part, c in zip(self.parts, columns, strict=True):
             # a part written without statistics escapes the footer's null check, and
             # to_numpy() would turn a null into NaN
-            for name, column in zip(c.column_names, c.columns, strict=True):
-                if column.null_count:
-                    raise SchemaError(f"{part}: column {name} holds nulls; a v1 trace has none")
+            null = _null_column(c)
+            if null is not None:
+                raise SchemaError(f"{part}: column {null} holds nulls; a v1 trace has none")
         rid = np.concatenate([c.column(0).to_numpy() for c in columns])
         pos = np.concatenate([c.column(1).to_numpy() for c in columns])
         del columns
