@@ -24,6 +24,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a test's Python subprocess: this checkout's ``planner`` first on
+    its path (pytest's ``pythonpath`` setting reaches only pytest's own process, so a child
+    would otherwise import whatever ``planner`` is installed, or none), plus ``extra``."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, PYTHONPATH=path, **extra)
+
+
 def synth_predictor(directory: Path, config) -> Path:
     """A synthetic trace from ``config`` (a SynthConfig) at ``directory/trace`` and the
     predictor fitted on it (default FitConfig) at ``directory/pred``; returns the trace."""

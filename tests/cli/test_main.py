@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 from planner.cli.main import main
+from tests.conftest import child_env
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -14,6 +15,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=120,
+        env=child_env(),
     )
 
 

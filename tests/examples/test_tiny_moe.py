@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from planner.profile.prompts import read_prompts
+from tests.conftest import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_PY = REPO / "examples" / "tiny_moe" / "train.py"
@@ -186,7 +187,7 @@ def test_quick_training_run_produces_a_loadable_model(tmp_path):
     prompts_out = tmp_path / "prompts.jsonl"
     cmd = [sys.executable, str(TRAIN_PY), "--quick", "--out", str(out)]
     cmd += ["--prompts-out", str(prompts_out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=child_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
@@ -206,6 +207,6 @@ def test_prompts_regenerate_identically(tmp_path):
         pytest.skip(f"prompts were drawn from Python {log['versions']['python']}'s stdlib")
     out = tmp_path / "prompts.jsonl"
     cmd = [sys.executable, str(TRAIN_PY), "--prompts-only", "--prompts-out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=child_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert out.read_bytes() == PROMPTS.read_bytes()

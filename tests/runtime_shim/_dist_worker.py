@@ -170,6 +170,11 @@ def free_port() -> int:
 
 
 if __name__ == "__main__":
+    import planner
+
+    repo = Path(__file__).resolve().parents[2]  # this checkout, not another installed copy
+    if not Path(planner.__file__).resolve().is_relative_to(repo):
+        sys.exit(f"worker imported planner from {planner.__file__}, not from {repo}")
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     # fork where available: the children reuse this fresh interpreter's torch import (no
     # torch work ran yet, so no thread pool is forked); spawn imports torch 4 more times

@@ -15,6 +15,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import json  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -157,4 +158,9 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
+    import planner
+
+    repo = Path(__file__).resolve().parents[2]  # this checkout, not another installed copy
+    if not Path(planner.__file__).resolve().is_relative_to(repo):
+        sys.exit(f"worker imported planner from {planner.__file__}, not from {repo}")
     main(sys.argv[1])

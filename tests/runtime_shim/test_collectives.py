@@ -14,6 +14,7 @@ import torch
 
 from planner.errors import InputError
 from planner.runtime_shim.collectives import shuffled_reduce_scatter
+from tests.conftest import child_env
 
 WORKER = Path(__file__).with_name("_dist_worker.py")
 CASE_NAMES = [
@@ -34,7 +35,7 @@ HANG_TIMEOUT_S = 120  # generous for a loaded 2-core machine; the worker takes ~
 @pytest.fixture(scope="module")
 def rank_results(tmp_path_factory) -> list[dict[str, str]]:
     out = tmp_path_factory.mktemp("dist")
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
+    env = child_env(MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
         [sys.executable, str(WORKER), str(out)],
         env=env,

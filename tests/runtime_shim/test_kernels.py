@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch
 from planner.errors import InputError
 from planner.runtime_shim import kernels
 from planner.runtime_shim.rebatch import rebatch, resume
+from tests.conftest import child_env
 
 WORKER = Path(__file__).with_name("_interpret_worker.py")
 INTERPRETER_CASES = [
@@ -28,7 +28,7 @@ needs_triton = pytest.mark.skipif(not kernels.HAS_TRITON, reason="triton is not 
 @pytest.fixture(scope="module")
 def interpreter_results(tmp_path_factory) -> dict[str, str]:
     out = tmp_path_factory.mktemp("interp") / "results.json"
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = child_env(TRITON_INTERPRET="1")
     proc = subprocess.run(
         [sys.executable, str(WORKER), str(out)],
         env=env,

@@ -278,11 +278,15 @@ def test_ilp_json_output_is_json(predictor_dir, tmp_path):
     import subprocess
     import sys
 
+    from tests.conftest import child_env
+
     opts = json.dumps({"ilp": {"max_variables": 200}})
     args = ["solve", str(predictor_dir / "pred"), "--ep", "2", "--method", "ilp",
             "--time-limit", "2", "--out", str(tmp_path / "plan"), "--options", opts, "--json"]  # fmt: skip
     code = "import sys; from planner.cli.main import main; sys.exit(main(sys.argv[1:]))"
-    run = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=child_env()
+    )
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["reports"][0]["method"] == "ilp"
     assert "HiGHS" not in run.stderr  # without "msg" the banner is not printed at all
