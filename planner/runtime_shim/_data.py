@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from planner.errors import InputError
+
+MAX_EP_SIZE = 32767  # device ids are int16 in a bundle (DESIGN.md), so E <= N <= 32767
 
 
 def require_data(x: Any, name: str) -> None:
@@ -26,6 +29,21 @@ def require_tensor(x: Any, name: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise InputError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     require_data(x, name)
+
+
+def as_tensor(x: Any, name: str) -> torch.Tensor:
+    """``x`` as a torch tensor (tensors as they are; numpy arrays and lists converted), or an
+    InputError naming ``name`` when it is not numbers (None, strings, ragged lists, objects)."""
+    if isinstance(x, torch.Tensor):
+        require_data(x, name)
+        return x
+    try:
+        return torch.as_tensor(np.ascontiguousarray(x))
+    except (TypeError, ValueError, RuntimeError):
+        raise InputError(
+            f"{name} must be a tensor or array of numbers, got {type(x).__name__} "
+            "(not numbers, or ragged)"
+        ) from None
 
 
 def holds_integers(t: torch.Tensor) -> bool:

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from planner.errors import InputError, MismatchError
-from planner.runtime_shim._data import bit_view, require_data, require_tensor
+from planner.runtime_shim._data import as_tensor, bit_view, require_tensor
 from planner.runtime_shim.rebatch import (
     Backend,
     RebatchInfo,
@@ -140,12 +140,11 @@ def shuffled_reduce_scatter(
     if method not in ("auto", "reduce_scatter", "all_reduce"):
         raise InputError(f"method must be auto, reduce_scatter or all_reduce, got {method!r}")
     require_tensor(x, "x")
-    require_data(devices, "devices")
     _refuse_grad(x, "x", "shuffled_reduce_scatter")
     world, rank = _group_shape(group)
     if x.ndim != 2:
         raise InputError(f"x must be [T, H], got shape {tuple(x.shape)}")
-    devices = torch.as_tensor(devices).to(x.device)
+    devices = as_tensor(devices, "devices").to(x.device)
     if devices.ndim != 1 or devices.shape[0] != x.shape[0]:
         raise InputError(
             f"devices must be [T] with T={x.shape[0]}, got shape {tuple(devices.shape)}"

@@ -37,18 +37,18 @@ from planner._checks import is_integer
 from planner.errors import InputError
 from planner.runtime_shim import kernels
 from planner.runtime_shim._data import (
+    MAX_EP_SIZE,
+    as_tensor,
     bit_view,
     holds_integers,
     overlaps,
     overlaps_itself,
-    require_data,
     require_tensor,
     unwrap_id,
 )
 
 Backend = Literal["auto", "triton", "torch"]
 BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
-MAX_EP_SIZE = 32767  # device ids are int16 in a bundle (DESIGN.md), so E <= N <= 32767
 
 
 @dataclass(frozen=True, eq=False)
@@ -113,8 +113,7 @@ def plan_rebatch(devices: torch.Tensor, ep_size: int, chunk_rows: int | None = N
     if not is_integer(ep_size) or not 1 <= ep_size <= MAX_EP_SIZE:
         raise InputError(f"ep_size must be an integer in 1..{MAX_EP_SIZE}, got {ep_size!r}")
     ep_size = int(ep_size)
-    devices = torch.as_tensor(devices)
-    require_data(devices, "devices")
+    devices = as_tensor(devices, "devices")
     if devices.ndim != 1:
         raise InputError(f"devices must be a 1-D tensor [T], got shape {tuple(devices.shape)}")
     if not holds_integers(devices):
@@ -297,8 +296,7 @@ def rebatch(
     require_tensor(hidden, "hidden")
     if hidden.ndim != 2:
         raise InputError(f"hidden must be [T, H], got shape {tuple(hidden.shape)}")
-    devices = torch.as_tensor(devices)
-    require_data(devices, "devices")
+    devices = as_tensor(devices, "devices")
     if devices.ndim != 1 or devices.shape[0] != hidden.shape[0]:
         raise InputError(
             f"devices must be [T] with T={hidden.shape[0]} (rows of hidden), "

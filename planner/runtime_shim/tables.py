@@ -52,7 +52,13 @@ from planner.export.bundle import (
     load_bundle_arrays,
     ngram_row_index,
 )
-from planner.runtime_shim._data import holds_integers, out_of_range, require_data
+from planner.runtime_shim._data import (
+    MAX_EP_SIZE,
+    as_tensor,
+    holds_integers,
+    out_of_range,
+    require_data,
+)
 
 DEFAULT_SLACK = 1.1  # DESIGN.md balanced LAR: at most ceil(1.1 * B / E) tokens per device
 
@@ -62,10 +68,9 @@ DEFAULT_SLACK = 1.1  # DESIGN.md balanced LAR: at most ceil(1.1 * B / E) tokens 
 # back as numpy, so there is one implementation of each rule.
 
 
-def _as_tensor(x: Any) -> tuple[torch.Tensor, bool]:
-    if isinstance(x, torch.Tensor):
-        return x, False
-    return torch.from_numpy(np.ascontiguousarray(x)), True
+def _as_tensor(x: Any, name: str) -> tuple[torch.Tensor, bool]:
+    """(``x`` as a tensor, whether the result goes back as numpy: it came as an array)."""
+    return as_tensor(x, name), not isinstance(x, torch.Tensor)
 
 
 def _back(x: torch.Tensor, to_numpy: bool) -> Any:
@@ -112,16 +117,27 @@ def online_candidates(
     entry of confidence 0 predicts nothing, as in the table a plan without n-gram tables
     exports).
     """
-    td, to_np = _as_tensor(token_device)
-    tc, _ = _as_tensor(token_confidence)
-    nd, _ = _as_tensor(ngram_device)
-    nc, _ = _as_tensor(ngram_confidence)
+    td, to_np = _as_tensor(token_device, "token_device")
+    tc, _ = _as_tensor(token_confidence, "token_confidence")
+    nd, _ = _as_tensor(ngram_device, "ngram_device")
+    nc, _ = _as_tensor(ngram_confidence, "ngram_confidence")
     if not td.shape == tc.shape == nd.shape == nc.shape:  # no broadcasting: [T] vs [T, 1]
         shapes = ", ".join(str(list(x.shape)) for x in (td, tc, nd, nc))
         raise InputError(
             "token_device, token_confidence, ngram_device and ngram_confidence must have "
             f"the same shape, got {shapes}"
         )
+    for ids, name in ((td, "token_device"), (nd, "ngram_device")):
+        require_data(ids, name)
+        if not holds_integers(ids):
+            raise InputError(f"{name} ids must be integers, got {ids.dtype}")
+    bad = out_of_range(td, 0, 2**63 - 1)
+    if bad is None:
+        bad = out_of_range(nd, -1, 2**63 - 1)
+    if bad is not None:
+        raise InputError(f"device id {bad} is negative (only an n-gram device may be -1: none)")
+    _check_confidence(tc, "token_confidence")
+    _check_confidence(nc, "ngram_confidence")
     td, nd, tc, nc = td.to(torch.int64), nd.to(torch.int64), _ranked(tc), _ranked(nc)
     use_ngram = (nc > tc) & (nd >= 0)
     device = torch.where(use_ngram, nd, td)
@@ -167,8 +183,8 @@ def assign_with_capacity(
         [T] or [R, T] int64 devices (numpy in, numpy out), each device holding <= C
         tokens per row; unchanged where no device overflows.
     """
-    dev, to_np = _as_tensor(device)
-    conf, _ = _as_tensor(confidence)
+    dev, to_np = _as_tensor(device, "device")
+    conf, _ = _as_tensor(confidence, "confidence")
     require_data(dev, "device")
     require_data(conf, "confidence")
     if dev.shape != conf.shape or dev.dim() not in (1, 2):
@@ -176,9 +192,14 @@ def assign_with_capacity(
             f"device and confidence must both be [T] or [R, T]; got {list(dev.shape)} and "
             f"{list(conf.shape)}"
         )
-    if not (is_integer(num_devices) and is_integer(capacity)) or num_devices <= 0 or capacity < 0:
+    if (
+        not (is_integer(num_devices) and is_integer(capacity))
+        or not 0 < num_devices <= MAX_EP_SIZE
+        or capacity < 0
+    ):
         raise InputError(
-            f"need integers num_devices > 0 and capacity >= 0, got {num_devices!r} and {capacity!r}"
+            f"need integers 0 < num_devices <= {MAX_EP_SIZE} and capacity >= 0, got "
+            f"{num_devices!r} and {capacity!r}"
         )
     # a capacity of a whole row never binds (and a huge one would overflow int64 below)
     e, c = int(num_devices), min(int(capacity), int(dev.shape[-1]))
@@ -188,8 +209,8 @@ def assign_with_capacity(
     if (second is None) != (second_confidence is None):
         raise InputError("second and second_confidence go together")
     if second is not None:
-        alt, _ = _as_tensor(second)
-        alt_conf, _ = _as_tensor(second_confidence)
+        alt, _ = _as_tensor(second, "second")
+        alt_conf, _ = _as_tensor(second_confidence, "second_confidence")
         require_data(alt, "second")
         require_data(alt_conf, "second_confidence")
         if alt.shape != dev.shape or alt_conf.shape != dev.shape:
@@ -304,8 +325,11 @@ def _assign_rows(
         torch.cumsum(over_counts, 0) - over_counts
     ).repeat_interleave(over_counts)
 
-    # Free slots (row, device, load level) in order of (row, load, device).
-    free = c - kept
+    # Free slots (row, device, load level) in order of (row, load, device). A row takes its
+    # first m (its overflow) of them, so no device offers it more than m: the slots past
+    # those lie behind m of the same device's already, and capping keeps the work to the
+    # overflow, not capacity x devices (a loose capacity with one token over was gigabytes).
+    free = torch.minimum(c - kept, over_counts.repeat_interleave(e))
     slot_group = torch.arange(rows * e, device=torch_dev).repeat_interleave(free)
     slot_starts = torch.cumsum(free, 0) - free
     within = torch.arange(slot_group.numel(), device=torch_dev) - slot_starts[slot_group]
