@@ -18,7 +18,12 @@ import os
 import torch
 
 from planner.errors import InputError
-from planner.runtime_shim._data import bit_view, overlaps, overlaps_itself, require_data
+from planner.runtime_shim._data import (
+    bit_view,
+    overlaps,
+    overlaps_itself,
+    require_tensor,
+)
 
 try:
     import triton
@@ -105,10 +110,10 @@ def gather_rows(
     """
     if not HAS_TRITON:
         raise InputError("gather_rows needs triton, which is not importable; use backend='torch'")
+    require_tensor(src, "src")
+    require_tensor(index, "index")
     if src.ndim != 2:
         raise InputError(f"src must be [S, H], got shape {tuple(src.shape)}")
-    require_data(src, "src")
-    require_data(index, "index")
     if src.requires_grad and torch.is_grad_enabled():
         raise InputError(
             "src requires grad but the Triton gather has no backward; use rebatch / resume "

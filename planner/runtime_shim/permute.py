@@ -240,6 +240,30 @@ def _check_model_shape(tables: Any, config: Any, top_k: int) -> None:
             )
 
 
+def _check_matches_placement(tables: Any, perm: np.ndarray) -> None:
+    """InputError unless slot s of every layer holds an expert the tables place on device
+    s // (N/E), where they say (``expert_to_device`` and ``ep_size``): a hand-made table
+    whose permutation contradicted its placement was applied, and ``route`` then predicted
+    devices the model's experts were not on."""
+    placement, ep = getattr(tables, "expert_to_device", None), getattr(tables, "ep_size", None)
+    if placement is None or not is_integer(ep) or ep < 1 or perm.shape[1] % int(ep):
+        return
+    e2d = torch.as_tensor(placement).to(torch.int64).cpu().numpy()
+    if e2d.shape != perm.shape:
+        raise MismatchError(
+            f"tables.expert_to_device is {list(e2d.shape)} but the permutation {list(perm.shape)}"
+        )
+    slot_device = np.arange(perm.shape[1]) // (perm.shape[1] // int(ep))
+    wrong = np.take_along_axis(e2d, perm, axis=1) != slot_device[None, :]
+    if wrong.any():
+        layer, slot = (int(i) for i in np.argwhere(wrong)[0])
+        raise InputError(
+            f"the tables contradict themselves: layer {layer}'s slot {slot} (device "
+            f"{slot_device[slot]}) holds expert {perm[layer, slot]}, which expert_to_device "
+            f"puts on device {e2d[layer, perm[layer, slot]]}"
+        )
+
+
 def apply_expert_placement(
     model: nn.Module, tables: Any, moe_layer_indices: Sequence[int] | None = None
 ) -> nn.Module:
@@ -320,6 +344,7 @@ def apply_expert_placement(
         )
     _check_model_shape(tables, model.config, ADAPTERS[model_type].top_k(model.config))
     _check_permutation_rows(perm)
+    _check_matches_placement(tables, perm)
     spec = EXPERT_TENSORS[model_type]
     groups = spec.routing_groups(model.config)
     if groups is not None:

@@ -68,6 +68,29 @@ class RebatchInfo:
     counts: torch.Tensor
     chunk_rows: int
 
+    def __post_init__(self) -> None:
+        # Shapes only (values would cost a device sync on every call; plan_rebatch makes
+        # valid ones): a hand-made info of the wrong size filled rows with uninitialised
+        # memory.
+        for name in ("slot_to_token", "token_to_slot", "counts"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or t.ndim != 1 or t.dtype != torch.int64:
+                raise InputError(f"RebatchInfo.{name} must be a 1-D int64 tensor")
+        if not is_integer(self.chunk_rows) or self.chunk_rows < 0:
+            raise InputError(
+                f"RebatchInfo.chunk_rows must be an integer >= 0, got {self.chunk_rows!r}"
+            )
+        if self.slot_to_token.shape[0] != self.counts.shape[0] * self.chunk_rows:
+            raise InputError(
+                f"RebatchInfo.slot_to_token has {self.slot_to_token.shape[0]} slots, not "
+                f"ep_size x chunk_rows = {self.counts.shape[0]} x {self.chunk_rows}"
+            )
+        if self.token_to_slot.shape[0] > self.slot_to_token.shape[0]:
+            raise InputError(
+                f"RebatchInfo has {self.token_to_slot.shape[0]} tokens for "
+                f"{self.slot_to_token.shape[0]} slots"
+            )
+
     @property
     def ep_size(self) -> int:
         return int(self.counts.shape[0])

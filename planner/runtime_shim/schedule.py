@@ -73,6 +73,9 @@ def _layers(tables: Any, layer: LayerSpec) -> list[int]:
         layers = list(range(big_l))
     elif is_integer(layer):
         layers = [layer]
+    elif hasattr(layer, "tolist"):  # an array or tensor: its elements as Python numbers
+        values = layer.tolist()
+        layers = values if isinstance(values, list) else [values]
     else:
         try:
             layers = [] if isinstance(layer, str) else list(cast(Iterable[Any], layer))
@@ -112,15 +115,15 @@ class _TokenScorer:
             raise InputError(f"weighting must be 'confidence' or 'count', got {weighting!r}")
         self.ep = int(tables.ep_size)
         self.vocab = int(tables.vocab_size)
-        self.device = _np(tables.token_to_device, "tables.token_to_device")[layers].astype(
-            np.int64
-        )  # [L', V]
-        if weighting == "confidence":
-            self.weight = _np(tables.token_confidence, "tables.token_confidence")[layers].astype(
-                np.float64
-            )
-        else:
-            self.weight = np.ones(self.device.shape)
+        self.layers = np.asarray(layers, dtype=np.int64)
+        # the tables as they are (a view of CPU tensors): only the rows a request uses are
+        # gathered and widened, not all L x V entries on every call
+        self.device = _np(tables.token_to_device, "tables.token_to_device")
+        self.weight = (
+            _np(tables.token_confidence, "tables.token_confidence")
+            if weighting == "confidence"
+            else None
+        )
 
     def __call__(self, token_ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(_np(token_ids))
@@ -135,8 +138,9 @@ class _TokenScorer:
         ids = ids.astype(np.int64)
         known = ids >= 0  # -1: unknown token, scores nothing
         rows = np.flatnonzero(known)
-        dev = self.device[:, ids[known]]  # [L', T']
-        w = self.weight[:, ids[known]]
+        at = np.ix_(self.layers, ids[known])
+        dev = self.device[at].astype(np.int64)  # [L', T']
+        w = np.ones(dev.shape) if self.weight is None else self.weight[at].astype(np.float64)
         flat = (rows[None, :] * self.ep + dev).ravel()
         scores = np.bincount(flat, weights=w.ravel(), minlength=ids.size * self.ep)
         return scores.reshape(ids.size, self.ep)
@@ -173,7 +177,15 @@ def schedule_by_scores(scores: np.ndarray) -> np.ndarray:
         [R] int64 device of each request: its best-scoring device not yet used in the
         current round (ties: lowest device id); a round ends when every device was used.
     """
-    scores = np.asarray(scores, dtype=np.float64)
+    try:
+        scores = np.asarray(_np(scores))
+    except ValueError:  # ragged rows
+        raise InputError(
+            "scores must be an [R, E] array of real numbers (rows are ragged)"
+        ) from None
+    if scores.dtype.kind not in "iuf":
+        raise InputError(f"scores must hold real numbers, got dtype {scores.dtype}")
+    scores = scores.astype(np.float64)
     if scores.ndim != 2 or scores.shape[1] < 1:
         raise InputError(f"scores must be [R, E] with E >= 1, got shape {scores.shape}")
     if not np.isfinite(scores).all():

@@ -128,6 +128,9 @@ def check_validation() -> None:
         "expanded out": lambda: kernels.gather_rows(
             src, torch.tensor([0, 1, 2]), torch.zeros(1, 3).expand(3, 3)
         ),
+        # not tensors: AttributeError ('requires_grad', 'ndim') before
+        "numpy src": lambda: kernels.gather_rows(src.numpy(), torch.tensor([0])),
+        "list index": lambda: kernels.gather_rows(src, [0]),
         # the kernel has no backward: the result silently had no grad_fn
         "src requires grad": lambda: kernels.gather_rows(
             torch.zeros((4, 3), requires_grad=True), torch.tensor([0])

@@ -316,3 +316,20 @@ def test_physical_to_logical_names_a_uint64_id_by_its_true_value():
     ids = torch.full((1, 2, 2), 2**63 + 2, dtype=torch.uint64)  # was reported as -2**63 + 2
     with pytest.raises(InputError, match=rf"expert id {2**63 + 2} outside \[0, 3\)"):
         physical_to_logical(ids, perm)
+
+
+def test_a_permutation_that_contradicts_the_placement_is_refused():
+    """Slot 0 (device 0) holding expert 0 while expert_to_device put expert 0 on device 3
+    was applied; route then predicted devices the experts were not on."""
+    import dataclasses
+
+    ident = np.tile(np.arange(N_EXPERTS), (2, 1))
+    good = make_tables(ident, 4)
+    e2d = good.expert_to_device.clone()
+    e2d[1, [0, N_EXPERTS - 1]] = e2d[1, [N_EXPERTS - 1, 0]]  # swap experts 0 and 7 in layer 1
+    bad = dataclasses.replace(good, expert_to_device=e2d)
+    model = fresh_qwen3()
+    with pytest.raises(InputError, match="layer 1's slot 0 .device 0. holds expert 0, which"):
+        apply_expert_placement(model, bad)
+    assert getattr(model, "moeplan_expert_permutation", None) is None  # left untouched
+    apply_expert_placement(model, good)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.errors import InputError
-from planner.runtime_shim.rebatch import apply_rebatch, plan_rebatch, rebatch, resume
+from planner.runtime_shim.rebatch import RebatchInfo, apply_rebatch, plan_rebatch, rebatch, resume
 
 
 def test_worked_example_from_the_docstring():
@@ -309,3 +309,18 @@ def test_plan_rebatch_names_a_uint64_device_id_by_its_true_value():
     with pytest.raises(InputError, match=rf"device id {2**63 + 1} outside \[0, 2\)"):
         plan_rebatch(devices, 2)
     assert plan_rebatch(torch.tensor([1, 0], dtype=torch.uint64), 2).counts.tolist() == [1, 1]
+
+
+def test_rebatch_info_refuses_wrong_shapes():
+    """An info of 3 slots for E=2, C=2 gave a result with a row of uninitialised memory."""
+    good = plan_rebatch(torch.tensor([1, 0, 1]), 2)
+    t = torch.tensor
+    with pytest.raises(InputError, match="has 3 slots, not ep_size x chunk_rows = 2 x 2"):
+        RebatchInfo(t([1, -1, 0]), good.token_to_slot, good.counts, 2)
+    with pytest.raises(InputError, match="token_to_slot must be a 1-D int64"):
+        RebatchInfo(good.slot_to_token, good.token_to_slot.int(), good.counts, 2)
+    with pytest.raises(InputError, match="chunk_rows must be an integer >= 0"):
+        RebatchInfo(good.slot_to_token, good.token_to_slot, good.counts, 2.0)
+    with pytest.raises(InputError, match="5 tokens for 4 slots"):
+        RebatchInfo(good.slot_to_token, t([0, 1, 2, 3, 0]), good.counts, 2)
+    assert RebatchInfo(good.slot_to_token, good.token_to_slot, good.counts, 2).num_tokens == 3

@@ -187,8 +187,11 @@ def test_layer_that_cannot_be_iterated_is_an_input_error():
     import torch
 
     tables = split_tables()
-    # 0-d arrays and tensors were TypeErrors "iteration over a 0-d array / tensor"
+    # 0-d arrays and tensors were TypeErrors "iteration over a 0-d array / tensor"; an
+    # integer one is the layer it holds, a float one is refused
     for layer in (np.array(0), torch.tensor(0)):
+        assert schedule_requests([[0]], tables, dp_size=2, layer=layer).tolist() == [0]
+    for layer in (np.array(0.0), torch.tensor(0.0)):
         with pytest.raises(InputError, match="must be MoE layer.s. in"):
             schedule_requests([[0]], tables, dp_size=2, layer=layer)
 
@@ -242,3 +245,23 @@ def test_meta_tables_are_named_in_the_error():
     # refused as the tables are built (it was 'a request is on the meta device' in the schedule)
     with pytest.raises(InputError, match="PlanTables.token_to_device is on the meta device"):
         dataclasses.replace(tables, token_to_device=tables.token_to_device.to("meta"))
+
+
+def test_layers_may_be_a_tensor_or_array():
+    """A 1-D tensor of layers was refused while the same numpy array was accepted."""
+    import torch
+
+    tables = split_tables(num_layers=3)
+    for layer in (torch.tensor([0, 2]), np.array([0, 2]), torch.tensor(1)):
+        want = [[2, 2]] if getattr(layer, "ndim", 0) else [[1, 1]]
+        assert request_device_scores([[0, 9]], tables, layer=layer).tolist() == want
+    with pytest.raises(InputError, match="must be MoE layer"):
+        request_device_scores([[0]], tables, layer=torch.tensor([0.5]))
+
+
+def test_scores_must_be_a_real_matrix():
+    """Ragged scores were a raw ValueError; complex ones silently lost their imaginary part."""
+    with pytest.raises(InputError, match="rows are ragged"):
+        schedule_by_scores([[1, 2], [3]])
+    with pytest.raises(InputError, match="must hold real numbers, got dtype complex128"):
+        schedule_by_scores(np.array([[1 + 1j, 2]]))
