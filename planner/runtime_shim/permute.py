@@ -245,15 +245,18 @@ def _check_matches_placement(tables: Any, perm: np.ndarray) -> None:
     s // (N/E), where they say (``expert_to_device`` and ``ep_size``): a hand-made table
     whose permutation contradicted its placement was applied, and ``route`` then predicted
     devices the model's experts were not on."""
-    placement, ep = getattr(tables, "expert_to_device", None), getattr(tables, "ep_size", None)
-    if placement is None or not is_integer(ep) or ep < 1 or perm.shape[1] % int(ep):
+    placement, ep_size = getattr(tables, "expert_to_device", None), getattr(tables, "ep_size", 0)
+    if placement is None or not is_integer(ep_size) or ep_size < 1:
+        return
+    ep = int(ep_size)
+    if perm.shape[1] % ep:
         return
     e2d = torch.as_tensor(placement).to(torch.int64).cpu().numpy()
     if e2d.shape != perm.shape:
         raise MismatchError(
             f"tables.expert_to_device is {list(e2d.shape)} but the permutation {list(perm.shape)}"
         )
-    slot_device = np.arange(perm.shape[1]) // (perm.shape[1] // int(ep))
+    slot_device = np.arange(perm.shape[1]) // (perm.shape[1] // ep)
     wrong = np.take_along_axis(e2d, perm, axis=1) != slot_device[None, :]
     if wrong.any():
         layer, slot = (int(i) for i in np.argwhere(wrong)[0])
