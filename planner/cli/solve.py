@@ -327,8 +327,9 @@ def comparison_table(result: dict, title: str, note: str | None = None) -> Table
             else ""
         )
         + (
-            "; a negative gap: the n-gram table, which chooses by context, passed the best any "
-            "token table could do (the bound is per token id, DESIGN.md)"
+            "; a negative gap: the n-gram table (which chooses by context) or the runtime cap "
+            "(which moves single occurrences) passed the best any token table could do (the "
+            "bound is per token id, DESIGN.md)"
             if any((g := r.get("gap_to_bound")) is not None and g < 0 for r in result["rows"])
             else ""
         )

@@ -124,16 +124,25 @@ def plot_evaluation(report: dict, dest: str | os.PathLike, title: str = "") -> P
                  color=color, ls=ls, lw=lw, label=label)  # fmt: skip
     top.set_ylabel("local activation rate")
     top.set_ylim(0, 1)
-    top.legend(fontsize=8, ncol=3, loc="lower right")
+    if top.get_legend_handles_labels()[0]:  # none where no layer saw an occurrence
+        top.legend(fontsize=8, ncol=3, loc="lower right")
     ov = report["overall"]
-    top.set_title(title or f"balanced LAR {ov['lar_balanced']:.3f} over all layers")
+    balanced = ov.get("lar_balanced")
+    top.set_title(title or ("no occurrences" if balanced is None
+                            else f"balanced LAR {balanced:.3f} over all layers"))  # fmt: skip
     width = 0.4
-    bottom.bar([v - width / 2 for v in x], [r["token_imbalance_balanced"] for r in layers],
-               width, label="token imbalance (after the cap)", color="#dd8452")  # fmt: skip
-    bottom.bar([v + width / 2 for v in x], [r["expert_load_imbalance"] for r in layers], width,
-               label="expert-load imbalance", color="#8172b2")  # fmt: skip
+    # an imbalance is None where a layer saw no tokens: no bar there
+    nan = float("nan")
+    tok = [nan if r["token_imbalance_balanced"] is None else r["token_imbalance_balanced"]
+           for r in layers]  # fmt: skip
+    exp = [nan if r["expert_load_imbalance"] is None else r["expert_load_imbalance"]
+           for r in layers]  # fmt: skip
+    bottom.bar([v - width / 2 for v in x], tok, width, label="token imbalance (after the cap)",
+               color="#dd8452")  # fmt: skip
+    bottom.bar([v + width / 2 for v in x], exp, width, label="expert-load imbalance",
+               color="#8172b2")  # fmt: skip
     bottom.axhline(1.0, color="black", lw=0.8)
-    highest = max(max(r["token_imbalance_balanced"], r["expert_load_imbalance"]) for r in layers)
+    highest = max((v for v in tok + exp if v == v), default=1.0)  # v == v: not NaN
     bottom.set_ylim(0, 1.45 * highest)  # room for the legend above the bars
     bottom.set_ylabel("max / mean")
     bottom.set_xlabel("MoE layer")

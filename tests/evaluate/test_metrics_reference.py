@@ -11,7 +11,7 @@ Conventions the reference spells out (where DESIGN.md leaves a choice open):
   the last, shorter block is capped with its own size: ceil(slack * len / E);
 - a token with id -1 (unknown) has no token-table entry: it goes to its request's
   contiguous (vanilla) chunk with confidence 0, so the n-gram table decides wherever it has
-  any confidence; the oracle bound counts known tokens only;
+  any confidence; the oracle bound counts each of its occurrences as a token of its own;
 - the n-gram table predicts only at layers l >= n (``lar_ngram`` counts those layers), and
   only at layers where some entry has a positive confidence (a plan without n-gram tables
   exports one of confidence 0 everywhere); an entry of confidence 0 predicts nothing, so it
@@ -38,7 +38,12 @@ from planner.trace import TraceBatch, TraceMeta, open_trace, write_trace
 from planner.trace.synth import SynthConfig
 from tests.conftest import random_batch, synth_predictor
 
-IMBALANCES = ("token_imbalance", "token_imbalance_balanced", "expert_load_imbalance")
+IMBALANCES = (
+    "token_imbalance",
+    "token_imbalance_balanced",
+    "expert_load_imbalance",
+    "token_imbalance_batch",
+)
 
 
 def _random_bundle(meta: TraceMeta, ep: int, order: int, seed: int, levels: int = 0) -> Bundle:
@@ -166,12 +171,18 @@ def _reference(bundle: Bundle, rows: TraceBatch, cfg: EvalConfig) -> dict:
             if other is not None and other != choice[t][layer]:
                 second[t][layer], second_conf[t][layer] = other, other_conf
 
-    # balanced: consecutive blocks of B rows, each layer capped on its own
+    # balanced: consecutive blocks of B rows, each layer capped on its own; each block's
+    # token imbalance before the cap (max / mean), per layer
     balanced = [[0] * big_l for _ in range(t_all)]
+    block_imbalance: list[list[float]] = [[] for _ in range(big_l)]
     for start in range(0, t_all, cfg.batch_tokens):
         idx = list(range(start, min(start + cfg.batch_tokens, t_all)))
         cap = _cap(len(idx), ep, cfg.slack)
         for layer in range(big_l):
+            sent = [0] * ep
+            for i in idx:
+                sent[choice[i][layer]] += 1
+            block_imbalance[layer].append(max(sent) / (len(idx) / ep))
             got = _assign_reference(
                 [choice[i][layer] for i in idx], [conf[i][layer] for i in idx],
                 [second[i][layer] for i in idx], [second_conf[i][layer] for i in idx], cap, ep,
@@ -212,15 +223,15 @@ def _reference(bundle: Bundle, rows: TraceBatch, cfg: EvalConfig) -> dict:
             for d in devs:
                 expert_load[layer][d] += 1
 
-    # the oracle bound: per (layer, known token), its N/E most routed experts
+    # the oracle bound: per (layer, known token), its N/E most routed experts; an unknown
+    # id's occurrence is a token of its own
     hosted, routed = z(), z()
     for layer in range(big_l):
-        by_token: dict[int, dict[int, int]] = {}
+        by_token: dict[object, dict[int, int]] = {}
         for t in range(t_all):
-            if tokens[t] >= 0:
-                c = by_token.setdefault(tokens[t], {})
-                for x in experts[t][layer]:
-                    c[x] = c.get(x, 0) + 1
+            c = by_token.setdefault(tokens[t] if tokens[t] >= 0 else ("unknown", t), {})
+            for x in experts[t][layer]:
+                c[x] = c.get(x, 0) + 1
         for c in by_token.values():
             hosted[layer] += sum(sorted(c.values(), reverse=True)[:per])
             routed[layer] += sum(c.values())
@@ -250,6 +261,8 @@ def _reference(bundle: Bundle, rows: TraceBatch, cfg: EvalConfig) -> dict:
         row["token_imbalance"] = imbalance(tokens_on["online"][layer])
         row["token_imbalance_balanced"] = imbalance(tokens_on["balanced"][layer])
         row["expert_load_imbalance"] = imbalance(expert_load[layer])
+        blocks = block_imbalance[layer]
+        row["token_imbalance_batch"] = sum(blocks) / len(blocks) if blocks else None
         per_layer.append(row)
     overall = {
         name: (sum(num) / sum(den) if sum(den) else None) for name, (num, den) in ratios.items()
@@ -257,6 +270,9 @@ def _reference(bundle: Bundle, rows: TraceBatch, cfg: EvalConfig) -> dict:
     for name in IMBALANCES:
         values = [r[name] for r in per_layer if r[name] is not None]
         overall[name] = sum(values) / len(values) if values else None
+    overall["token_imbalance_batch_worst"] = max(
+        (v for blocks in block_imbalance for v in blocks), default=None
+    )
     wire = cfg.hidden_size * cfg.dtype_bytes * 2  # dispatch and combine
     overall["tokens"] = t_all
     overall["remote_activations"] = sum(remote["balanced"])

@@ -59,3 +59,21 @@ def test_expert_load_figure_from_the_trace_summary(tmp_path):
     assert len(load) == 3 and sum(map(sum, load)) == 200 * 3 * 2
     out = plot_expert_load(summary, tmp_path / "load.svg")
     assert out.read_bytes().startswith(MAGIC[".svg"])
+
+
+def test_evaluation_figure_of_a_trace_without_occurrences(tmp_path):
+    """A report with no occurrences (every figure None) crashed formatting its title and
+    taking the highest bar; the library is public even where the CLI refuses empty traces."""
+    import numpy as np
+
+    from planner.trace import TraceBatch
+
+    meta = TraceMeta("test/m", num_layers=2, num_experts=4, top_k=2, vocab_size=5)
+    z = np.zeros((0, 2, 2))
+    empty = TraceBatch.from_arrays(np.zeros(0), np.zeros(0), np.zeros(0), z, z)
+    path = write_trace(tmp_path / "t.parquet", meta, empty)
+    report = evaluate_bundle(_random_bundle(meta, 2, 1, seed=0), open_trace(path))
+    assert report["overall"]["lar_balanced"] is None
+    for title in ("", "given"):
+        out = plot_evaluation(report, tmp_path / f"e{title}.png")
+        assert out.read_bytes().startswith(MAGIC[".png"])
