@@ -27,7 +27,7 @@ from scipy import sparse
 
 from planner._checks import is_integer
 from planner._io import atomic_path, check_output, signals_deferred
-from planner.errors import InputError
+from planner.errors import InputError, SchemaError
 from planner.predict.counts import TokenExpertCounts
 from planner.trace.io import EMBEDDINGS_FILE, PART_GLOB, TRACE_MEMBERS, TraceWriter, open_trace
 
@@ -157,7 +157,7 @@ def trace_domains(trace) -> list[str]:
     # on both sides, its held-out tokens fitted on.
     domain_of: dict[int, str] = {}
     for batch in trace.iter_batches(extras=(DOMAIN_COLUMN,), weights=False, validate=False):
-        names, codes = np.unique(_domain_names(batch), return_inverse=True)
+        names, codes = np.unique(_domain_names(batch, trace.path), return_inverse=True)
         names = names.tolist()  # plain str, for the message
         rid = np.asarray(batch.request_id)
         pairs = np.unique(np.stack([rid, codes.astype(np.int64)], axis=1), axis=0)
@@ -171,9 +171,24 @@ def trace_domains(trace) -> list[str]:
     return sorted(set(domain_of.values()))
 
 
-def _domain_names(batch) -> np.ndarray:
-    """[T] str: each row's domain as a string, stripped as the names a user gives are."""
-    return np.char.strip(np.asarray(batch.extras[DOMAIN_COLUMN]).astype(str))
+def _domain_names(batch, where: object) -> np.ndarray:
+    """[T] str: each row's domain as a string, stripped as the names a user gives are.
+
+    Read as numpy, an integer column with a null in the batch comes as floats (domain 1 as
+    1.0, whose name "1.0" no --heldout-domain 1 matched, so its rows went to the fitting
+    side), and a string column's null as None (a domain named "None"): nulls are refused
+    and whole floats named as the integers they are."""
+    values = np.asarray(batch.extras[DOMAIN_COLUMN])
+    if values.dtype.kind == "f":
+        if np.isnan(values).any():
+            raise SchemaError(
+                f"{where}: the domain column holds nulls; give every request a domain"
+            )
+        if np.isfinite(values).all() and (values == np.round(values)).all():
+            values = values.astype(np.int64)
+    elif values.dtype.kind == "O" and any(v is None for v in values):
+        raise SchemaError(f"{where}: the domain column holds nulls; give every request a domain")
+    return np.char.strip(values.astype(str))
 
 
 def split_trace_by_domain(
@@ -204,7 +219,7 @@ def split_trace_by_domain(
         trace,
         fit_out,
         heldout_out,
-        lambda b: np.isin(_domain_names(b), held),
+        lambda b: np.isin(_domain_names(b, trace.path), held),
     )
     return {"kind": "domain", "heldout_domains": wanted, "domains": available} | counts
 
@@ -231,9 +246,10 @@ def _write_sides(trace, fit_out, heldout_out, heldout_mask) -> dict:
     # a new held-out side would share requests with it)
     commit = contextlib.ExitStack()
     with commit, atomic_path(fit_out) as fit_tmp, atomic_path(heldout_out) as held_tmp:
+        types = trace.extra_types()  # each extra column written back as it was read
         writers = {
-            "fit": TraceWriter(fit_tmp, trace.meta),
-            "heldout": TraceWriter(held_tmp, trace.meta),
+            "fit": TraceWriter(fit_tmp, trace.meta, types),
+            "heldout": TraceWriter(held_tmp, trace.meta, types),
         }
         for batch in trace.iter_batches(extras=tuple(trace.extra_columns())):
             held = heldout_mask(batch)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -269,7 +269,9 @@ class TraceBatch:
                 f"({self.experts[row, layer].tolist()}); a token's k experts must be distinct"
             )
 
-    def to_table(self, meta: TraceMeta) -> pa.Table:
+    def to_table(
+        self, meta: TraceMeta, extra_types: Mapping[str, pa.DataType] | None = None
+    ) -> pa.Table:
         if self.weights is None:
             raise SchemaError("cannot write a batch read without its weights column")
         schema = arrow_schema(meta)
@@ -290,8 +292,20 @@ class TraceBatch:
         ]
         table = pa.Table.from_arrays(arrays, schema=schema)
         for name, values in self.extras.items():
-            table = table.append_column(name, pa.array(values))
+            table = table.append_column(name, _extra_array(values, (extra_types or {}).get(name)))
         return table.replace_schema_metadata(schema.metadata)
+
+
+def _extra_array(values: np.ndarray, dtype: pa.DataType | None) -> pa.Array:
+    """An extra column as Arrow, of ``dtype`` where given (the type it was read with: numpy
+    holds an integer column with nulls as floats with NaN, and a guess wrote it back as
+    doubles), else of the type Arrow infers."""
+    if dtype is None:
+        return pa.array(values)
+    try:  # NaN is a null again, except in a floating column, where it is a value
+        return pa.array(values, type=dtype, from_pandas=not pa.types.is_floating(dtype))
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError):
+        return pa.array(values)
 
 
 def _list_values(arr: pa.Array, rows: int, meta: TraceMeta, dtype) -> np.ndarray:
@@ -492,6 +506,11 @@ class Trace:
             if n not in REQUIRED_COLUMNS and all(n in s.names for s in self._schemas[1:])
         ]
 
+    def extra_types(self) -> dict[str, pa.DataType]:
+        """Arrow type of each of :meth:`extra_columns`, as the first part stores it."""
+        first = self._schemas[0]
+        return {n: first.field(n).type for n in self.extra_columns()}
+
     def parts_without(self, column: str) -> list[Path]:
         """The parts that lack ``column``."""
         return [p for p, s in zip(self.parts, self._schemas, strict=True) if column not in s.names]
@@ -602,10 +621,16 @@ def _check_finished(path: Path) -> None:
         )
 
 
-def write_trace(path: str | Path, meta: TraceMeta, batch: TraceBatch) -> Path:
-    """Write ``batch`` as a single-file trace at ``path`` (atomically)."""
+def write_trace(
+    path: str | Path,
+    meta: TraceMeta,
+    batch: TraceBatch,
+    extra_types: Mapping[str, pa.DataType] | None = None,
+) -> Path:
+    """Write ``batch`` as a single-file trace at ``path`` (atomically); ``extra_types``:
+    the Arrow type of each extra column (default: inferred from its values)."""
     batch.validate(meta, where=str(path))
-    table = batch.to_table(meta)
+    table = batch.to_table(meta, extra_types)
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp, compression="zstd")
     return Path(path)
@@ -618,9 +643,15 @@ class TraceWriter:
     writer can continue an interrupted run.
     """
 
-    def __init__(self, directory: str | Path, meta: TraceMeta):
+    def __init__(
+        self,
+        directory: str | Path,
+        meta: TraceMeta,
+        extra_types: Mapping[str, pa.DataType] | None = None,
+    ):
         self.directory = Path(directory)
         self.meta = meta
+        self.extra_types = dict(extra_types or {})
         if self.directory.exists() and not self.directory.is_dir():
             raise InputError(f"{self.directory}: exists and is not a directory")
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -643,6 +674,6 @@ class TraceWriter:
     def write(self, batch: TraceBatch) -> Path:
         """Write ``batch`` as the next ``part-NNNNN.parquet`` and return its path."""
         dest = self.directory / f"part-{self._next:05d}.parquet"
-        write_trace(dest, self.meta, batch)
+        write_trace(dest, self.meta, batch, self.extra_types)
         self._next += 1
         return dest
