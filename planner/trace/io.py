@@ -43,16 +43,28 @@ DEFAULT_BATCH_ROWS = 65536
 _INT32 = np.iinfo(np.int32)
 
 
-def _fit_int32(values: np.ndarray, name: str) -> np.ndarray:
-    """``values`` as int32; SchemaError if an integer does not fit (instead of wrapping)."""
-    if values.dtype != np.int32 and np.issubdtype(values.dtype, np.integer) and values.size:
-        lo, hi = values.min(), values.max()
-        if lo < _INT32.min or hi > _INT32.max:
-            bad = int(lo) if lo < _INT32.min else int(hi)
-            raise SchemaError(
-                f"{name} {bad} does not fit the trace's int32 column [{_INT32.min}, {_INT32.max}]"
-            )
-    return values.astype(np.int32, copy=False)
+def _fit_int(values: np.ndarray, name: str, dtype: type = np.int32) -> np.ndarray:
+    """``values`` as ``dtype``; SchemaError if one is not a whole number or does not fit
+    (floats were truncated, 1.9 to 1, and integers wrapped, expert 65539 to 3)."""
+    info = np.iinfo(dtype)
+    if values.dtype == dtype or not values.size:
+        return values.astype(dtype, copy=False)
+    if values.dtype.kind == "f":
+        whole = np.isfinite(values) & (values == np.round(values))
+        if not whole.all():
+            bad = float(values[~whole][0])
+            raise SchemaError(f"{name} {bad!r} is not a whole number")
+    elif values.dtype.kind not in "iu":
+        raise SchemaError(f"{name} must be integers, got dtype {values.dtype}")
+    lo, hi = values.min(), values.max()
+    if lo < info.min or hi > info.max:
+        bad = lo if lo < info.min else hi
+        shown = int(bad) if values.dtype.kind in "iu" else float(bad)
+        raise SchemaError(
+            f"{name} {shown} does not fit the trace's {np.dtype(dtype).name} column "
+            f"[{info.min}, {info.max}]"
+        )
+    return values.astype(dtype, copy=False)
 
 
 def _repeated_expert(experts: np.ndarray) -> tuple[int, int] | None:
@@ -191,10 +203,10 @@ class TraceBatch:
             if col.shape != (t,):
                 raise SchemaError(f"{name} must have shape ({t},), got {col.shape}")
         return cls(
-            cols[0].astype(np.int64, copy=False),
-            _fit_int32(cols[1], "position"),
-            _fit_int32(cols[2], "token id"),
-            experts.astype(np.int16, copy=False),
+            _fit_int(cols[0], "request id", np.int64),
+            _fit_int(cols[1], "position"),
+            _fit_int(cols[2], "token id"),
+            _fit_int(experts, "expert id", np.int16),
             weights.astype(np.float16, copy=False),
             dict(extras or {}),
         )
@@ -442,6 +454,16 @@ def check_trace_output(out: Path, *, inputs: tuple = ()) -> bool:
     return single
 
 
+def _required_column_of(path: str) -> str | None:
+    """The required column a Parquet leaf path belongs to, or None: the column itself, or a
+    list column's element ("experts.list.element"); not the first dotted word, which made an
+    extra column "token_id.orig" the token_id column."""
+    for name in REQUIRED_COLUMNS:
+        if path == name or path.startswith(name + ".list."):
+            return name
+    return None
+
+
 def _check_null_statistics(md: pq.FileMetaData, part: Path) -> None:
     """SchemaError if the footer's statistics count a null in a required column.
 
@@ -452,8 +474,8 @@ def _check_null_statistics(md: pq.FileMetaData, part: Path) -> None:
         rg = md.row_group(g)
         for c in range(rg.num_columns):
             chunk = rg.column(c)
-            name = chunk.path_in_schema.split(".", 1)[0]
-            if name not in REQUIRED_COLUMNS:
+            name = _required_column_of(chunk.path_in_schema)
+            if name is None:
                 continue
             stats = chunk.statistics
             if stats is not None and stats.has_null_count and stats.null_count > 0:

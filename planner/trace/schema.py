@@ -25,6 +25,8 @@ from planner._checks import is_integer
 from planner.errors import SchemaError
 
 SCHEMA_VERSION = 1
+# No model has nearly this many MoE layers; a corrupt count would build huge defaults.
+MAX_LAYERS = 65535
 META_KEY = b"moeplan"
 REQUIRED_COLUMNS = ("request_id", "position", "token_id", "experts", "weights")
 
@@ -58,6 +60,25 @@ class TraceMeta:
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
+        # the scalars first: the default layer indices are built from num_layers
+        if not isinstance(self.model, str):
+            raise SchemaError(f"trace metadata model={self.model!r} must be a string")
+        if not isinstance(self.source, str):
+            raise SchemaError(f"trace metadata source={self.source!r} must be a string")
+        if self.schema_version != SCHEMA_VERSION or not is_integer(self.schema_version):
+            raise SchemaError(
+                f"trace schema_version {self.schema_version!r} is not supported (expected "
+                f"{SCHEMA_VERSION})"
+            )
+        for name in ("num_layers", "num_experts", "top_k", "vocab_size"):
+            value = getattr(self, name)
+            if not is_integer(value) or value <= 0:
+                raise SchemaError(f"trace metadata {name}={value!r} must be a positive integer")
+            object.__setattr__(self, name, int(value))  # a numpy integer does not go to JSON
+        if self.num_layers > MAX_LAYERS:
+            raise SchemaError(
+                f"trace metadata num_layers={self.num_layers} is more than {MAX_LAYERS} MoE layers"
+            )
         if not self.moe_layer_indices:
             object.__setattr__(self, "moe_layer_indices", tuple(range(self.num_layers)))
         indices = self.moe_layer_indices
@@ -69,18 +90,6 @@ class TraceMeta:
                 f"moe_layer_indices {list(self.moe_layer_indices)} must increase (the model's "
                 "MoE layers in order)"
             )
-        if not isinstance(self.model, str):
-            raise SchemaError(f"trace metadata model={self.model!r} must be a string")
-        if self.schema_version != SCHEMA_VERSION or not is_integer(self.schema_version):
-            raise SchemaError(
-                f"trace schema_version {self.schema_version!r} is not supported (expected "
-                f"{SCHEMA_VERSION})"
-            )
-        for name in ("num_layers", "num_experts", "top_k", "vocab_size"):
-            value = getattr(self, name)
-            if not is_integer(value) or value <= 0:
-                raise SchemaError(f"trace metadata {name}={value!r} must be a positive integer")
-            object.__setattr__(self, name, int(value))  # a numpy integer does not go to JSON
         if self.top_k > self.num_experts:
             raise SchemaError(
                 f"trace metadata top_k={self.top_k} exceeds num_experts={self.num_experts}"

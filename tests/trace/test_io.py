@@ -496,3 +496,45 @@ def test_parts_of_another_vocabulary_say_so(tmp_path, small_meta):
     write_trace(d / "part-00001.parquet", other, random_batch(other, 10))
     with pytest.raises(MismatchError, match=rf"V={small_meta.vocab_size + 1}\) than"):
         open_trace(d)
+
+
+def test_from_arrays_refuses_what_its_casts_would_change():
+    """Expert 65539 was written as expert 3 and position 1.9 as 1, each passing validation."""
+    w = np.array([[[0.6, 0.4]]])
+    with pytest.raises(SchemaError, match="expert id 65539 does not fit the trace's int16"):
+        TraceBatch.from_arrays([0], [1], [3], np.array([[[65539, 1]]]), w)
+    with pytest.raises(SchemaError, match="position 1.9 is not a whole number"):
+        TraceBatch.from_arrays([0], [1.9], [3], np.array([[[0, 1]]]), w)
+    with pytest.raises(SchemaError, match="token id must be integers, got dtype <U1"):
+        TraceBatch.from_arrays([0], [1], ["a"], np.array([[[0, 1]]]), w)
+    b = TraceBatch.from_arrays([0], [1.0], [3], np.array([[[2.0, 1.0]]]), w)  # whole floats
+    assert b.position.tolist() == [1] and b.experts.tolist() == [[[2, 1]]]
+    empty = TraceBatch.from_arrays(
+        np.zeros(0), np.zeros(0), np.zeros(0), np.zeros((0, 1, 2)), np.zeros((0, 1, 2))
+    )
+    assert len(empty) == 0
+
+
+def test_trace_metadata_checks_its_scalars_before_using_them(tmp_path):
+    """num_layers was used to build the default layer indices before it was checked: a
+    string was a TypeError, 10**30 an OverflowError, 3*10**7 a 90 s stall; a non-string
+    source passed until export crashed on it."""
+    for bad, match in (("2", "num_layers='2' must be a positive integer"),
+                       (10**30, "is more than 65535 MoE layers")):  # fmt: skip
+        with pytest.raises(SchemaError, match=match):
+            TraceMeta("m", num_layers=bad, num_experts=4, top_k=2, vocab_size=10)
+    with pytest.raises(SchemaError, match="source=5 must be a string"):
+        TraceMeta("m", num_layers=2, num_experts=4, top_k=2, vocab_size=10, source=5)
+
+
+def test_an_extra_column_named_like_a_required_one_with_a_dot(tmp_path):
+    """The footer's null check took the first dotted word: an extra column 'token_id.orig'
+    with a null was reported as a null token_id and the valid trace refused."""
+    import pyarrow as pa
+
+    meta = TraceMeta("m", num_layers=2, num_experts=4, top_k=2, vocab_size=10)
+    path = write_trace(tmp_path / "t.parquet", meta, random_batch(meta, 4, seed=0))
+    table = pq.read_table(path)
+    table = table.append_column("token_id.orig", pa.array(["a", None, "b", "c"]))
+    pq.write_table(table, tmp_path / "dot.parquet")
+    assert len(open_trace(tmp_path / "dot.parquet").read_all()) == 4
