@@ -36,7 +36,7 @@ from planner.solve.common import (
     device_gains,
     expert_scores,
     finish,
-    objective,
+    net_objective,
     place_experts,
 )
 from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig
@@ -78,7 +78,7 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
         combined = float(opts["w_token"]) * gain + float(opts["w_token_token"]) * token_token
         result = assign_for_problem(problem, combined, prices=prices, sweeps=10)
         t_new, prices = result.token_to_device, result.prices
-        obj = objective(problem, gain, t_new)
+        obj = net_objective(problem, gain, t_new)  # as CEO chooses (the batch cap netted)
         if obj > best[0] * (1 + 1e-12):
             best = (obj, x, t_new)
         if (t_new == t).all():

@@ -107,6 +107,7 @@ from planner.solve.common import (
     check_options,
     device_gains,
     finish,
+    net_objective,
     objective,
     rebalance_tokens,
     repair_expert_counts,
@@ -506,8 +507,7 @@ def _score(
     problem: LayerProblem, gain: np.ndarray, t: np.ndarray, batch_aware: bool, effort=None
 ) -> float:
     """The objective, net of the runtime cap's take-back on the fitting batches if asked."""
-    score = objective(problem, gain, t)
-    return score - batch_overflow(problem, gain, t, effort) if batch_aware else score
+    return net_objective(problem, gain, t, effort) if batch_aware else objective(problem, gain, t)
 
 
 def _earliest(a: float | None, b: float | None) -> float | None:

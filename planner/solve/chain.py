@@ -80,10 +80,10 @@ import numpy as np
 from planner.predict.ngram import MAX_ORDER, target_tuples
 from planner.solve.common import (
     assign_for_problem,
-    batch_overflow,
     device_gains,
     expert_scores,
     finish,
+    net_objective,
     objective,
 )
 from planner.solve.effort import Effort, charge, exhausted
@@ -239,8 +239,9 @@ class LayerTerms:
 
     def token_score(self, x: np.ndarray, t: np.ndarray) -> float:
         gain = device_gains(self.problem, x)
-        score = objective(self.problem, gain, t)
-        return score - batch_overflow(self.problem, gain, t) if self.batch_aware else score
+        if self.batch_aware:
+            return net_objective(self.problem, gain, t)
+        return objective(self.problem, gain, t)
 
     def context_value(self, x: np.ndarray) -> float:
         if self.rows is None:

@@ -20,7 +20,7 @@ Shapes: J tokens, N experts, E devices, P = N/E experts per device.
   device (a linear assignment on the [N, N] matrix of experts x device slots).
 - :func:`repair_expert_counts`: the smallest change that gives every device exactly P experts.
 - :func:`canonical_labels`: one labelling per partition (devices are interchangeable).
-- :func:`objective`, :func:`evaluate`, :func:`batch_overflow`: what a placement is worth,
+- :func:`objective`, :func:`evaluate`, :func:`batch_overflow`, :func:`net_objective`: what a placement is worth,
   and what the runtime's per-batch cap would take back from it.
 - :func:`finish`: assignment + metrics + validation -> :class:`LayerPlacement`.
 - :func:`check_options`: every solver's option validation.
@@ -252,6 +252,21 @@ def token_imbalance(freq: np.ndarray, token_to_device: np.ndarray, ep_size: int)
     loads = np.bincount(token_to_device, weights=freq, minlength=ep_size)
     mean = loads.sum() / ep_size
     return float(loads.max() / mean) if mean > 0 else 1.0
+
+
+def net_objective(
+    problem: LayerProblem,
+    gain: np.ndarray,
+    token_to_device: np.ndarray,
+    effort: Effort | None = None,
+) -> float:
+    """The objective net of what the runtime's per-batch cap takes back on the fitting
+    batches (:func:`batch_overflow`; the objective itself without batches): what the
+    balanced LAR, by which plans are judged, credits. Every method that chooses among
+    candidate placements chooses by it, CEO's search and the baselines' restarts alike."""
+    return objective(problem, gain, token_to_device) - batch_overflow(
+        problem, gain, token_to_device, effort
+    )
 
 
 def batch_overflow(

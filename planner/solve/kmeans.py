@@ -33,7 +33,7 @@ from planner.solve.common import (
     check_options,
     device_gains,
     finish,
-    objective,
+    net_objective,
 )
 from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig
 
@@ -79,7 +79,7 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     ]:
         gain = device_gains(problem, labels)
         t = assign_for_problem(problem, gain).token_to_device
-        obj = objective(problem, gain, t)
+        obj = net_objective(problem, gain, t)  # as CEO chooses (the batch cap netted)
         if best is None or obj > best[0]:
             best = (obj, labels, t, inertia, iters)
     assert best is not None, "kmeans: n_init and evaluate must be at least 1"

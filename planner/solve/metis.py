@@ -35,7 +35,7 @@ from planner.solve.common import (
     device_gains,
     expert_scores,
     finish,
-    objective,
+    net_objective,
     repair_expert_counts,
 )
 from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig
@@ -104,7 +104,7 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
         )
         gain = device_gains(problem, x)
         t = assign_for_problem(problem, gain).token_to_device
-        obj = objective(problem, gain, t)
+        obj = net_objective(problem, gain, t)  # as CEO chooses (the batch cap netted)
         if best is None or obj > best[0]:
             moved = int((x != expert_part).sum())
             best = (obj, x, t, setting, moved)
