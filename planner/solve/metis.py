@@ -137,7 +137,8 @@ def _bipartite_graph(
     scale = opts["edge_scale"]
     if scale is None:
         scale = 100.0 / float(np.median(w.data)) if w.nnz else 1.0
-    scale = min(float(scale), _MAX_TOTAL_WEIGHT / max(2.0 * w.data.sum(), 1.0))
+    # (a floor of 1 on the sum capped tiny affinities scale, every edge weight became 1)
+    scale = min(float(scale), _MAX_TOTAL_WEIGHT / max(2.0 * w.data.sum(), 1e-300))
     ew = np.maximum(np.rint(w.data * scale), 1).astype(np.int64)
     # Token rows point at experts (vertex ids 0..N-1); expert rows point at tokens (N..N+J-1).
     wt = w.tocsc()

@@ -511,3 +511,13 @@ def test_ilp_on_part_of_the_tokens_never_ends_below_its_start(monkeypatch) -> No
     p = solve_layer(problem, "ilp", cfg)  # the program alone: 1029 of the start's 1041
     assert not p.info["exact"] and p.info["kept_start"]
     assert p.objective >= start - 1e-6
+
+
+def test_metis_sees_tiny_affinities_as_it_sees_their_multiples() -> None:
+    """The edge-weight scale was capped as if the affinities summed to at least 1: at 1e-12
+    of their size every edge weight was 1 and METIS partitioned a graph without weights."""
+    base = random_problem(300, 16, 4, top_k=2, seed=5, noise=0.3)
+    tiny = dataclasses.replace(base, affinity=base.affinity * 1e-12)
+    x = solve_layer(base, "metis", SolverConfig(seed=0)).expert_to_device
+    y = solve_layer(tiny, "metis", SolverConfig(seed=0)).expert_to_device
+    assert canonical_labels(x, 4).tolist() == canonical_labels(y, 4).tolist()
