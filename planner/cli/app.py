@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import sys
+
 import typer
 from rich.console import Console
 
@@ -32,7 +35,7 @@ def _root(
     ),
 ) -> None:
     """Plan expert placement and token routing for expert-parallel MoE serving."""
-    if config:
+    if config is not None:  # "" is refused (it was ignored, the options then missing)
         from planner.cli.config import load_config
 
         ctx.default_map = load_config(config, ctx.command)
@@ -45,6 +48,13 @@ def _root(
 # Colour goes through Text styles instead.
 console = Console(markup=False) if Console().is_terminal else Console(width=160, markup=False)
 err_console = Console(stderr=True, markup=False)
+
+
+def print_json(obj: object) -> None:
+    """``--json`` output: plain JSON on stdout, never coloured (rich's print_json colours it
+    whenever FORCE_COLOR is set, as CI jobs often do, even into a pipe)."""
+    sys.stdout.write(json.dumps(obj, indent=2) + "\n")
+    sys.stdout.flush()
 
 
 def typed(ctx: typer.Context, name: str) -> bool:

@@ -136,15 +136,21 @@ def _defaults(table: dict[str, Any], command: Any, where: str) -> dict[str, Any]
 
 def load_config(path: str, root: Any) -> dict[str, Any]:
     """``default_map`` for the ``root`` group from the TOML file at ``path``."""
+    if not path.strip():
+        raise InputError("--config is empty; name a TOML file")
     file = Path(path)
     if file.is_dir():
         raise InputError(f"--config {path}: is a directory; name a TOML file")
-    if not file.is_file():
+    if not file.exists():
         raise InputError(f"--config {path}: no such file")
+    if not file.is_file():
+        raise InputError(f"--config {path}: is not a regular file; name a TOML file")
     try:
         table = tomllib.loads(file.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise InputError(f"--config {path}: not valid TOML ({e})") from None
+    except RecursionError:
+        raise InputError(f"--config {path}: not valid TOML (nested too deeply)") from None
     except OSError as e:
         raise InputError(f"--config {path}: cannot be read ({e.strerror})") from None
     return _defaults(table, root, f"--config {path}")

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
-
 import typer
 from rich.table import Table
 from rich.text import Text
 
 from planner._io import check_output
-from planner.cli.app import app, console, err_console
+from planner.cli.app import app, console, err_console, print_json
 from planner.errors import InputError, SchemaError
 from planner.evaluate import EvalConfig, evaluate_bundle
 from planner.evaluate.plots import check_plot_path, plot_evaluation
@@ -85,7 +83,7 @@ def export(
         if out:
             raise InputError("--verify checks PLAN where it is and writes nothing; drop --out")
         report = verify_bundle(plan)
-        console.print_json(json.dumps(report)) if as_json else console.print(_verify_table(report))
+        print_json(report) if as_json else console.print(_verify_table(report))
         if not report["ok"]:
             raise SchemaError(
                 report["error"] or "bundle failed verification (see the layers above)"
@@ -108,14 +106,14 @@ def export(
         check_engine_file_replaceable(out, fmt, text)
         write_bytes_atomic(out, text.encode())
         result = {"path": out, "format": fmt.name, "usage": fmt.usage}
-        console.print_json(json.dumps(result)) if as_json else console.print(
+        print_json(result) if as_json else console.print(
             f"wrote {fmt.name} placement to {out}\n  use it with: {fmt.usage}"
         )
         return
     check_bundle_output(out, inputs=(plan,))
     result = export_plan(bundle, out, engines=engines, num_model_layers=num_model_layers)
     if as_json:
-        console.print_json(json.dumps(result))
+        print_json(result)
         return
     console.print(_verify_table(result["verify"]))
     for name, info in result["engines"].items():
@@ -177,7 +175,7 @@ def evaluate(
         title = f"{bundle.method}, EP {bundle.ep_size}: balanced LAR {balanced:.3f}"
         err_console.print(f"plot: {plot_evaluation(report, plot, title)}", markup=False)
     if as_json:
-        console.print_json(json.dumps(report))
+        print_json(report)
         return
     console.print(
         metrics_table(report, f"{plan} on {heldout} (EP {bundle.ep_size}, method {bundle.method})")

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
 
-from planner.cli.app import app, console, typed
+from planner.cli.app import app, console, print_json, typed
 from planner.errors import InputError
 
 
@@ -124,7 +123,7 @@ def fit(
     result.predictor.save(out)
     fit_info = result.predictor.fit_info
     if as_json:
-        console.print_json(json.dumps({"predictor": out, "fit": fit_info, "report": result.report}))
+        print_json({"predictor": out, "fit": fit_info, "report": result.report})
         return
     console.print(render_fit_summary(fit_info, out))
     if result.report is not None:

@@ -22,9 +22,13 @@ from planner.cli.app import app
 from planner.errors import MoeplanError
 
 try:  # recent typer vendors its own copy of click
-    from typer._click.exceptions import ClickException, UsageError
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
 except ImportError:  # pragma: no cover - older typer
-    from click.exceptions import ClickException, UsageError  # type: ignore[assignment]
+    from click.exceptions import (  # type: ignore[assignment]
+        ClickException,
+        NoArgsIsHelpError,
+        UsageError,
+    )
 
 # Library exceptions -> one line, and the exit code. Anything not listed is a bug and keeps
 # its traceback. OSError covers what the machine refuses (a read-only or full disk, a name
@@ -48,6 +52,9 @@ def _raise_terminated(signum, frame) -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         result = app(args=argv, prog_name="moeplan", standalone_mode=False)
+    except NoArgsIsHelpError as e:  # `moeplan`, `moeplan trace`: the help, as it reads
+        print(e.ctx.get_help() if e.ctx is not None else e.format_message(), file=sys.stderr)
+        return e.exit_code
     except UsageError as e:  # a missing argument, an unparsable value: one line, as below
         where = e.ctx.command_path if e.ctx is not None else "moeplan"
         msg = " ".join(e.format_message().split())
@@ -84,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def run() -> None:
     signal.signal(signal.SIGTERM, _raise_terminated)
+    # a path the terminal's encoding cannot show (PYTHONIOENCODING=ascii, a C locale) is
+    # escaped: it was a UnicodeEncodeError traceback after the work had succeeded
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     sys.exit(main())
 
 

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from planner._io import check_output
-from planner.cli.app import app, console, err_console, typed
+from planner.cli.app import app, console, err_console, print_json, typed
 from planner.errors import InputError
 from planner.evaluate import EvalConfig
 from planner.evaluate.compare import compare_methods
@@ -28,9 +28,10 @@ def _options(text: str | None) -> dict:
         return {}
     try:
         opts = json.loads(text)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
         raise InputError(
-            f'--options is not JSON ({e}); e.g. \'{{"ceo": {{"variant": "paper"}}}}\''
+            f'--options is not JSON ({why}); e.g. \'{{"ceo": {{"variant": "paper"}}}}\''
         ) from None
     if not isinstance(opts, dict):
         raise InputError("--options must be a JSON object of per-method options")
@@ -149,7 +150,7 @@ def solve(
     plan.save(out)
     _note_unreached_cap(plan.reports, expert_beta)
     if as_json:
-        console.print_json(json.dumps({"plan": out, "reports": plan.reports}))
+        print_json({"plan": out, "reports": plan.reports})
         return
     table = Table(
         title=f"plan {out}: {method}, EP {ep}, beta {beta}, seed {seed}", title_justify="left"
@@ -271,7 +272,7 @@ def compare(
         title = f"{heldout}, EP {ep}: ratio to the best baseline above each bar"
         err_console.print(f"plot: {plot_comparison(result, plot, title)}")
     if as_json:
-        console.print_json(json.dumps(result))
+        print_json(result)
         return
     note = None
     if ep == pred.meta.num_experts:

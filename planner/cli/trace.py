@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
-
 import typer
 
-from planner.cli.app import console, err_console, trace_app, typed
+from planner.cli.app import console, err_console, print_json, trace_app, typed
 from planner.evaluate.plots import check_plot_path, plot_expert_load
 from planner.trace.info import trace_summary
 
@@ -26,7 +24,7 @@ def info(
     if plot:
         err_console.print(f"plot: {plot_expert_load(summary, plot)}")
     if as_json:
-        console.print_json(json.dumps(summary))
+        print_json(summary)
         return
     from planner.trace.info import render_summary
 
@@ -89,7 +87,7 @@ def synth(
         config, out, rows_per_part=rows_per_part, progress=True, overwrite=force
     )
     if as_json:
-        console.print_json(json.dumps(summary))
+        print_json(summary)
         return
     console.print(
         f"wrote {summary['path']}: {summary['tokens']} tokens, L={summary['num_layers']} "
@@ -134,7 +132,7 @@ def ingest_sglang(
     )
     s = stats.summary()
     if as_json:
-        console.print_json(json.dumps(s))
+        print_json(s)
         return
     console.print(
         f"wrote {s['path']}: {s['tokens']} tokens in {s['requests']} requests from {s['records']} "

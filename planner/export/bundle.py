@@ -531,9 +531,12 @@ def save_bundle(
     with atomic_path(dest) as tmp:
         tmp.mkdir()
         tables_path = tmp / TABLES_FILE
-        safetensors.numpy.save_file(
-            {k: np.ascontiguousarray(v) for k, v in bundle.tables().items()}, tables_path
-        )
+        try:
+            safetensors.numpy.save_file(
+                {k: np.ascontiguousarray(v) for k, v in bundle.tables().items()}, tables_path
+            )
+        except safetensors.SafetensorError as e:  # a full disk: not an OSError, no file name
+            raise OSError(f"{dest}: cannot be written ({e})") from None
         files = {
             TABLES_FILE: {"sha256": sha256_file(tables_path), "bytes": tables_path.stat().st_size}
         }

@@ -626,11 +626,15 @@ def save_embeddings(model: Any, dest: Path, dtype: str, meta: TraceMeta) -> Path
     (``dtype``; bfloat16 stays bfloat16: as float16 a value beyond 65504 became inf, which
     ``fit`` then refused), tensor name ``embeddings``."""
     import torch
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     weight = model.get_input_embeddings().weight.detach()
     tensor = weight.to(device="cpu", dtype=getattr(torch, dtype)).contiguous()
     metadata = {"model": meta.model, "fingerprint": meta.fingerprint()}
     with atomic_path(dest) as tmp:
-        save_file({EMBEDDINGS_TENSOR: tensor}, str(tmp), metadata=metadata)
+        try:
+            save_file({EMBEDDINGS_TENSOR: tensor}, str(tmp), metadata=metadata)
+        except SafetensorError as e:  # a full disk: not an OSError, and no file name
+            raise OSError(f"{dest}: cannot be written ({e})") from None
     return dest

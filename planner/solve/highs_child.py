@@ -19,10 +19,17 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
-import highspy
-import numpy as np
+if __name__ == "__main__":
+    # A terminal's Ctrl-C reaches the whole process group: the parent stops this child
+    # itself, and a KeyboardInterrupt here printed a traceback beside the parent's line.
+    # Ignored before the imports, which take most of the child's start.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+import highspy  # noqa: E402
+import numpy as np  # noqa: E402
 
 INCUMBENT = "incumbent.npz"
 RESULT = "result.npz"
@@ -41,7 +48,6 @@ def die_with_parent() -> None:
     CBC's process before it starts (``planner.solve.ilp._CbcWithDeadline``)."""
     try:
         import ctypes
-        import signal
 
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG

@@ -386,6 +386,8 @@ class Plan:
             if key not in meta or not ok(meta[key]):
                 got = repr(meta[key]) if key in meta else "missing"
                 raise SchemaError(f"{meta_path}: {key} must be {kind} ({got})")
+        with open(tables_path, "rb"):  # unreadable (permissions): the OSError says so, where
+            pass  # is_zipfile would answer False and blame the format
         if not zipfile.is_zipfile(tables_path):  # np.load would read a bare .npy, or pickles
             raise SchemaError(f"{tables_path}: not a readable table archive (not an .npz file)")
         try:

@@ -116,3 +116,28 @@ def test_user_errors(plan_and_trace, tmp_path, capsys, args, message):
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
+
+
+def test_a_full_disk_while_writing_the_tables_is_one_line(plan_and_trace, tmp_path, capsys,
+                                                           monkeypatch):  # fmt: skip
+    """safetensors reports a full disk as a SafetensorError, not an OSError: export printed
+    a 49-line traceback (the earlier bundle survived)."""
+    import safetensors
+    import safetensors.numpy
+
+    plan, _ = plan_and_trace
+    out = tmp_path / "b"
+    assert main(["export", str(plan), "--out", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+
+    def full(*args, **kwargs):
+        raise safetensors.SafetensorError(
+            "Error while serializing: I/O error: No space left on device (os error 28)"
+        )
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", full)
+    assert main(["export", str(plan), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"moeplan: error: {out}: cannot be written (") and err.count("\n") == 1
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before

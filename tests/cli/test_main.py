@@ -160,3 +160,69 @@ def test_compare_table_explains_a_plan_above_the_token_bound():
 
     assert "passed the best any token table could do" in caption(-0.005)
     assert "passed the best" not in caption(0.01)
+
+
+def _tiny_trace(tmp_path, name="t"):
+    out = tmp_path / name
+    args = ["trace", "synth", "--out", str(out), "--layers", "2", "--experts", "4", "--top-k"]
+    args += ["1", "--vocab", "50", "--tokens", "200", "--requests", "4"]
+    assert main(args) == 0
+    return out
+
+
+def test_json_stays_json_when_colour_is_forced(tmp_path):
+    """rich's print_json coloured --json output whenever FORCE_COLOR was set (CI jobs set
+    it), even into a pipe: the output was not JSON."""
+    import json
+
+    trace = _tiny_trace(tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-m", "planner.cli.main", "trace", "info", str(trace), "--json"],
+        capture_output=True, text=True, timeout=120, env=child_env(FORCE_COLOR="1"),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["tokens"] == 200
+
+
+def test_bare_group_prints_its_help_as_it_reads(capsys):
+    """`moeplan` alone printed the whole help squashed into one 'error' line."""
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Usage: moeplan") and err.count("\n") > 5
+    assert main(["trace"]) == 2
+    assert capsys.readouterr().err.startswith("Usage: moeplan trace")
+
+
+def test_deep_config_and_options_are_one_line(tmp_path, capsys):
+    """Deeply nested TOML or JSON was a RecursionError traceback."""
+    deep = tmp_path / "deep.toml"
+    deep.write_text("[solve]\nseed = " + "[" * 1000 + "]" * 1000 + "\n")
+    assert main(["--config", str(deep), "trace", "info", "x"]) == 2
+    assert "not valid TOML (nested too deeply)" in capsys.readouterr().err
+    opts = '{"ceo":' + "[" * 1000 + "]" * 1000 + "}"
+    args = ["solve", str(tmp_path / "i"), "--out", str(tmp_path / "o"), "--ep", "2"]
+    args += ["--options", opts]
+    assert main(args) == 2
+    assert "--options is not JSON (nested too deeply)" in capsys.readouterr().err
+
+
+def test_config_that_is_empty_or_not_a_file(capsys):
+    """--config "" was ignored silently; /dev/null was 'no such file'."""
+    assert main(["--config", "", "trace", "info", "x"]) == 2
+    assert capsys.readouterr().err == "moeplan: error: --config is empty; name a TOML file\n"
+    assert main(["--config", "/dev/null", "trace", "info", "x"]) == 2
+    assert "is not a regular file" in capsys.readouterr().err
+
+
+def test_a_name_the_terminal_cannot_encode_is_escaped(tmp_path):
+    """With an ascii stdout the summary naming 'plän' raised UnicodeEncodeError after the
+    trace had been written."""
+    out = tmp_path / "plän.parquet"
+    args = ["trace", "synth", "--out", str(out), "--layers", "2", "--experts", "4", "--top-k"]
+    args += ["1", "--vocab", "50", "--tokens", "200", "--requests", "4"]
+    r = subprocess.run(  # run(), the console script's entry, reads sys.argv[1:]
+        [sys.executable, "-c", "from planner.cli.main import run; run()", *args],
+        capture_output=True, text=True, timeout=120, env=child_env(PYTHONIOENCODING="ascii"),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "pl\\xe4n.parquet" in r.stdout and "Traceback" not in r.stderr
