@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 from rich.table import Table
 from rich.text import Text
 
 from planner._io import check_output
-from planner.cli.app import app, console, err_console, print_json
+from planner.cli.app import app, console, err_console, print_json, typed
 from planner.errors import InputError, SchemaError
 from planner.evaluate import EvalConfig, evaluate_bundle
 from planner.evaluate.plots import check_plot_path, plot_evaluation
@@ -54,6 +56,7 @@ def _verify_table(report: dict) -> Table:
 
 @app.command("export")
 def export(
+    ctx: typer.Context,
     plan: str = typer.Argument(
         ..., help="Plan directory (from `moeplan solve`) or bundle to export or verify."
     ),
@@ -82,6 +85,10 @@ def export(
     if verify:
         if out:
             raise InputError("--verify checks PLAN where it is and writes nothing; drop --out")
+        options = (("--format", "formats"), ("--num-model-layers", "num_model_layers"))
+        ignored = [flag for flag, name in options if typed(ctx, name)]
+        if ignored:
+            raise InputError(f"--verify checks PLAN as a bundle; drop {' and '.join(ignored)}")
         report = verify_bundle(plan)
         print_json(report) if as_json else console.print(_verify_table(report))
         if not report["ok"]:
@@ -92,8 +99,17 @@ def export(
     if not out:
         raise InputError("--out is required (or pass --verify to check a bundle)")
     names = _parse_formats(formats)
-    bundle = load_tables(plan)
     engines = [n for n in names if n != "moeplan"]
+    if num_model_layers is not None and not engines:
+        raise InputError(
+            "--num-model-layers sizes the engine files; the moeplan bundle does not use it "
+            "(add an engine --format, or drop it)"
+        )
+    if "moeplan" not in names and len(engines) == 1:
+        suffixes = get_format(engines[0]).suffixes
+        if Path(out).suffix.lower() not in suffixes:  # the engine reads its format by it
+            raise InputError(f"--out {out}: a {engines[0]} file is named *{' or *'.join(suffixes)}")
+    bundle = load_tables(plan)
     if "moeplan" not in names and len(engines) == 1:
         from planner._io import write_bytes_atomic
         from planner.export.engines import EnginePlacement

@@ -141,3 +141,27 @@ def test_a_full_disk_while_writing_the_tables_is_one_line(plan_and_trace, tmp_pa
     err = capsys.readouterr().err
     assert err.startswith(f"moeplan: error: {out}: cannot be written (") and err.count("\n") == 1
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_options_export_would_ignore_are_refused(plan_and_trace, tmp_path, capsys):
+    """--verify ignored --format (even an unknown one) and --num-model-layers; a moeplan
+    bundle alone ignored --num-model-layers; a single engine file was written under any
+    name, then refused as 'not a sglang file' when exported to again."""
+    plan, _ = plan_and_trace
+    bundle = tmp_path / "b"
+    assert main(["export", str(plan), "--out", str(bundle)]) == 0
+    capsys.readouterr()
+    for extra in (["--format", "nonsense"], ["--num-model-layers", "-5"]):
+        assert main(["export", "--verify", str(bundle), *extra]) == 2
+        assert f"drop {extra[0]}" in capsys.readouterr().err
+    assert main(["export", str(plan), "--out", str(tmp_path / "c"), "--num-model-layers", "4"]) == 2
+    assert "--num-model-layers sizes the engine files" in capsys.readouterr().err
+    assert (
+        main(["export", str(plan), "--out", str(tmp_path / "placement"), "--format", "sglang"]) == 2
+    )
+    assert "a sglang file is named *.json" in capsys.readouterr().err
+    assert not (tmp_path / "placement").exists()
+    out = tmp_path / "placement.json"
+    for _ in range(2):  # and again over its own file
+        assert main(["export", str(plan), "--out", str(out), "--format", "sglang",
+                     "--num-model-layers", "4"]) == 0  # fmt: skip

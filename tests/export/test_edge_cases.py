@@ -120,7 +120,7 @@ def test_a_single_engine_file_replaces_only_a_file_of_its_kind(tmp_path, hand_bu
     prompts.write_text('{"text": "keep me"}\n')
     for fmt, out in (("sglang", prompts), ("trtllm", prompts), ("vllm-ascend", prompts)):
         rc = main(["export", str(plan), "--out", str(out), "--format", fmt])
-        _one_line_error(capsys, rc, "exists and is not a")
+        _one_line_error(capsys, rc, f"a {fmt} file is named *")  # refused by its name first
     assert prompts.read_text() == '{"text": "keep me"}\n'
     # Named like the format but not one of its files (a model's config.json, an unrelated
     # YAML): refused too, before the write.
@@ -133,9 +133,9 @@ def test_a_single_engine_file_replaces_only_a_file_of_its_kind(tmp_path, hand_bu
         _one_line_error(capsys, rc, f"exists and is not an earlier {fmt} file")
     assert "mixtral" in config.read_text() and "lb.yaml" in other_yaml.read_text()
     # An earlier file of the format (any name), or an empty file, is replaced.
-    for fmt, name in (("sglang", "old.JSON"), ("trtllm", "old.yml"), ("trtllm", "empty")):
+    for fmt, name in (("sglang", "old.JSON"), ("trtllm", "old.yml"), ("trtllm", "empty.yaml")):
         out = tmp_path / name
-        if name == "empty":
+        if name == "empty.yaml":
             out.write_text("")
         else:
             assert main(["export", str(plan), "--out", str(out), "--format", fmt]) == 0
