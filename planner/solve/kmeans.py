@@ -52,9 +52,41 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     opts = check_options("kmeans", config.for_method("kmeans"), DEFAULTS, KINDS)
     if opts["profile"] not in PROFILES:
         raise InputError(f"kmeans: profile={opts['profile']!r} is not one of {', '.join(PROFILES)}")
-    rng = np.random.default_rng(config.seed)
-    runs: dict[bytes, tuple[float, np.ndarray, int]] = {}
     deadline = config.deadline(started)
+    runs, restarts, distinct = clusterings(problem, config.seed, opts, deadline)
+    # the lowest-inertia distinct clusterings go through the shared token assignment
+    best = None
+    for inertia, labels, iters in runs:
+        gain = device_gains(problem, labels)
+        t = assign_for_problem(problem, gain).token_to_device
+        obj = net_objective(problem, gain, t)  # as CEO chooses (the batch cap netted)
+        if best is None or obj > best[0]:
+            best = (obj, labels, t, inertia, iters)
+    assert best is not None, "kmeans: n_init and evaluate must be at least 1"
+    _, labels, t, inertia, iters = best
+    info = {
+        "inertia": None if np.isnan(inertia) else float(inertia),
+        "iterations": int(iters),
+        "n_init": int(opts["n_init"]),
+        "restarts_run": restarts,  # fewer than n_init where the time limit stopped them
+        "distinct_clusterings": distinct,
+    }
+    return finish(
+        problem, "kmeans", labels, seed=config.seed, started=started, token_to_device=t, info=info
+    )
+
+
+def clusterings(
+    problem: LayerProblem, seed: int, opts: dict, deadline: float | None = None
+) -> tuple[list[tuple[float, np.ndarray, int]], int, int]:
+    """Stage 1: the ``opts["evaluate"]`` lowest-inertia distinct balanced clusterings of the
+    experts from ``opts["n_init"]`` restarts (fewer where ``deadline`` passes).
+
+    Returns ([(inertia, labels [N], iterations)] best first, restarts run, distinct
+    clusterings found). CEO screens the same clusterings among its candidates.
+    """
+    rng = np.random.default_rng(seed)
+    runs: dict[bytes, tuple[float, np.ndarray, int]] = {}
     restarts = 0
     if problem.experts_per_device == 1 or problem.ep_size == 1:
         # every balanced clustering is a relabelling of every other (as in CEO): no restarts
@@ -72,28 +104,8 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
             runs.setdefault(
                 canonical_labels(labels, problem.ep_size).tobytes(), (inertia, labels, iters)
             )
-    # the lowest-inertia distinct clusterings go through the shared token assignment
-    best = None
-    for inertia, labels, iters in sorted(runs.values(), key=lambda r: r[0])[
-        : int(opts["evaluate"])
-    ]:
-        gain = device_gains(problem, labels)
-        t = assign_for_problem(problem, gain).token_to_device
-        obj = net_objective(problem, gain, t)  # as CEO chooses (the batch cap netted)
-        if best is None or obj > best[0]:
-            best = (obj, labels, t, inertia, iters)
-    assert best is not None, "kmeans: n_init and evaluate must be at least 1"
-    _, labels, t, inertia, iters = best
-    info = {
-        "inertia": None if np.isnan(inertia) else float(inertia),
-        "iterations": int(iters),
-        "n_init": int(opts["n_init"]),
-        "restarts_run": restarts,  # fewer than n_init where the time limit stopped them
-        "distinct_clusterings": len(runs),
-    }
-    return finish(
-        problem, "kmeans", labels, seed=config.seed, started=started, token_to_device=t, info=info
-    )
+    best = sorted(runs.values(), key=lambda r: r[0])[: int(opts["evaluate"])]
+    return best, restarts, len(runs)
 
 
 def expert_profiles(problem: LayerProblem, profile: str = "coactivation") -> np.ndarray:

@@ -163,3 +163,24 @@ def test_baselines_choose_among_their_candidates_as_ceo_does(method, monkeypatch
     best = max(v for v, _ in seen)
     gain = device_gains(problem, result.expert_to_device)
     assert net_objective(problem, gain, result.token_to_device) >= best - 1e-9
+
+
+def test_ceo_screens_the_kmeans_clusterings_beside_its_search() -> None:
+    """CEO screens the k-means baseline's clusterings (same defaults and seed) with its own
+    candidates, so a start its search did not reach still competes; with clusterings 0
+    it screens only its own."""
+    from planner.solve.common import net_objective
+
+    problem = random_problem(400, 32, 4, top_k=4, seed=1, noise=0.3)
+    small = {"effort": 2e5}  # a short search
+    with_k = get_solver("ceo")(problem, SolverConfig(seed=0, options={"ceo": small}))
+    without = get_solver("ceo")(
+        problem, SolverConfig(seed=0, options={"ceo": small | {"clusterings": 0}})
+    )
+    km = get_solver("kmeans")(problem, SolverConfig(seed=0))
+    assert with_k.info["clusterings_screened"] == 3 and without.info["clusterings_screened"] == 0
+
+    def net(p):
+        return net_objective(problem, device_gains(problem, p.expert_to_device), p.token_to_device)
+
+    assert net(with_k) >= max(net(without), net(km)) - 1e-6
