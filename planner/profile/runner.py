@@ -456,6 +456,13 @@ def profile_model(
     }
     with _claim_out_dir(out, inputs=(model_dir, prompts_path)):
         done, before = _prepare_out_dir(out, config.resume, settings)
+        beyond = len(set(done) - {p.index for p in prompts})
+        if beyond:  # a resume adds prompts; it cannot take recorded ones out of the trace
+            raise InputError(
+                f"{out}: the trace already holds {beyond} prompt(s) beyond the "
+                f"{len(prompts)} that --max-prompts selects; resume with at least as many, "
+                "or profile into a new --out"
+            )
         todo = [p for p in prompts if p.index not in done]
 
         t0 = time.perf_counter()

@@ -337,6 +337,20 @@ def test_resume_with_other_settings_is_refused(model_dirs, prompts_file, tmp_pat
                       ProfileConfig(resume=True, max_length=16), progress=False)  # fmt: skip
 
 
+def test_resume_with_fewer_prompts_than_recorded_is_refused(model_dirs, prompts_file, tmp_path):
+    """A resume with a smaller --max-prompts reported success while the trace kept every
+    prompt it held."""
+    out = tmp_path / "t"
+    profile_model(model_dirs["olmoe"], prompts_file, out, ProfileConfig(max_prompts=3),
+                  progress=False)  # fmt: skip
+    before = sorted(p.read_bytes() for p in out.glob("part-*.parquet"))
+    with pytest.raises(InputError, match="already holds 1 prompt.s. beyond the 2 that"):
+        profile_model(model_dirs["olmoe"], prompts_file, out,
+                      ProfileConfig(max_prompts=2, resume=True), progress=False)  # fmt: skip
+    assert sorted(p.read_bytes() for p in out.glob("part-*.parquet")) == before
+    assert json.loads((out / "profile.json").read_text())["finished"]
+
+
 def test_the_run_records_the_length_it_truncated_to(model_dirs, prompts_file, tmp_path):
     """A --max-length beyond the model's positions is recorded as the positions it ran with,
     and a resume asking for another length beyond them continues the same run."""
