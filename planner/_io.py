@@ -231,6 +231,13 @@ def check_output(
             f"{path}: is the current directory or holds it; run the command from outside it "
             "or choose another output path"
         )
+    if path.is_dir() and os.path.ismount(path):
+        # the swap renames the old directory away, which a mount point refuses (EBUSY):
+        # found before the work, not after it
+        raise InputError(
+            f"{path}: is a mount point, which cannot be replaced; write the {what} to a "
+            "directory inside it"
+        )
     if path.is_dir() and any(path.iterdir()) and not any(path.glob(marker)):
         raise InputError(
             f"{path}: is a non-empty directory that is not a {what}; choose another output path"

@@ -378,3 +378,17 @@ def test_split_commits_both_sides_with_signals_held(tmp_path, monkeypatch):
     assert sorted(renames) == ["rename fit", "rename held"]
     assert events.index("hold") < events.index(renames[0])
     assert events.index(renames[-1]) < events.index("release")
+
+
+def test_a_mount_point_is_refused_before_the_work(tmp_path, monkeypatch):
+    """The atomic swap renames the old directory away, which a mount point refuses (EBUSY):
+    a solve into a mounted --out failed only after the work, naming a temporary path."""
+    from planner._io import check_output
+
+    mounted = tmp_path / "mnt"
+    mounted.mkdir()
+    real = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == mounted or real(p))
+    with pytest.raises(InputError, match="is a mount point, which cannot be replaced"):
+        check_output(mounted, marker="plan.json", what="plan")
+    assert check_output(mounted / "plan", marker="plan.json", what="plan") == mounted / "plan"
