@@ -140,6 +140,16 @@ def solve(
             )
         expert_beta = None  # a --config file's, for the methods it applies to
     opts = _options(options)
+    others = sorted(set(opts) - {method})
+    if others and typed(ctx, "options"):  # (compare takes options for many methods)
+        raise InputError(
+            f"--options sets {', '.join(map(repr, others))} but solve runs --method {method}; "
+            f"give options for {method!r} only"
+        )
+    if method == "vanilla" and chain_passes and typed(ctx, "chain_passes"):
+        raise InputError(
+            "--chain-passes does not apply to --method vanilla (the contiguous layout)"
+        )
     _check_lp_path(opts, (predictor,), (out,))
     pred = load_predictor(predictor)
     config = PlanConfig(

@@ -226,3 +226,13 @@ def test_a_name_the_terminal_cannot_encode_is_escaped(tmp_path):
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "pl\\xe4n.parquet" in r.stdout and "Traceback" not in r.stderr
+
+
+def test_solve_refuses_options_it_would_not_use(tmp_path, capsys):
+    """--options for another method than --method was accepted without even being checked,
+    and --chain-passes with vanilla did nothing."""
+    base = ["solve", str(tmp_path / "i"), "--out", str(tmp_path / "o"), "--ep", "2"]
+    assert main([*base, "--method", "metis", "--options", '{"ceo": {"variant": "x"}}']) == 2
+    assert "--options sets 'ceo' but solve runs --method metis" in capsys.readouterr().err
+    assert main([*base, "--method", "vanilla", "--chain-passes", "2"]) == 2
+    assert "--chain-passes does not apply to --method vanilla" in capsys.readouterr().err
