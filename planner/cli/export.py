@@ -105,10 +105,6 @@ def export(
             "--num-model-layers sizes the engine files; the moeplan bundle does not use it "
             "(add an engine --format, or drop it)"
         )
-    if "moeplan" not in names and len(engines) == 1:
-        suffixes = get_format(engines[0]).suffixes
-        if Path(out).suffix.lower() not in suffixes:  # the engine reads its format by it
-            raise InputError(f"--out {out}: a {engines[0]} file is named *{' or *'.join(suffixes)}")
     bundle = load_tables(plan)
     if "moeplan" not in names and len(engines) == 1:
         from planner._io import write_bytes_atomic
@@ -118,6 +114,10 @@ def export(
         check_output(
             out, marker=None, what=f"{fmt.name} file", inputs=(plan,), suffixes=fmt.suffixes
         )
+        if Path(out).suffix.lower() not in fmt.suffixes:  # the engine reads its format by it
+            raise InputError(
+                f"--out {out}: a {fmt.name} file is named *{' or *'.join(fmt.suffixes)}"
+            )
         text = fmt.render(EnginePlacement.from_bundle(bundle, num_model_layers))
         check_engine_file_replaceable(out, fmt, text)
         write_bytes_atomic(out, text.encode())
