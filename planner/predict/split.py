@@ -251,7 +251,10 @@ def _write_sides(trace, fit_out, heldout_out, heldout_mask) -> dict:
             "fit": TraceWriter(fit_tmp, trace.meta, types),
             "heldout": TraceWriter(held_tmp, trace.meta, types),
         }
-        for batch in trace.iter_batches(extras=tuple(trace.extra_columns())):
+        # every extra column some part has; nulls in the parts without it (a column of
+        # only some parts was dropped, and a later --heldout-domain then failed)
+        extras = tuple(trace.extra_columns(in_any_part=True))
+        for batch in trace.iter_batches(extras=extras, fill_missing=True):
             held = heldout_mask(batch)
             for side, mask in (("fit", ~held), ("heldout", held)):
                 if mask.any():

@@ -520,18 +520,24 @@ class Trace:
     def __repr__(self) -> str:
         return f"Trace({str(self.path)!r}, rows={self.num_rows}, meta={self.meta})"
 
-    def extra_columns(self) -> list[str]:
-        """Non-required columns every part has, in the first part's order."""
-        return [
-            n
-            for n in self._schemas[0].names
-            if n not in REQUIRED_COLUMNS and all(n in s.names for s in self._schemas[1:])
-        ]
+    def extra_columns(self, *, in_any_part: bool = False) -> list[str]:
+        """Non-required columns every part has (``in_any_part``: some part has), in the
+        order the parts first name them."""
+        names = dict.fromkeys(
+            n for s in self._schemas for n in s.names if n not in REQUIRED_COLUMNS
+        )
+        if in_any_part:
+            return list(names)
+        return [n for n in names if all(n in s.names for s in self._schemas)]
 
     def extra_types(self) -> dict[str, pa.DataType]:
-        """Arrow type of each of :meth:`extra_columns`, as the first part stores it."""
-        first = self._schemas[0]
-        return {n: first.field(n).type for n in self.extra_columns()}
+        """Arrow type of every extra column some part has, as the first such part stores it."""
+        types: dict[str, pa.DataType] = {}
+        for schema in self._schemas:
+            for n in schema.names:
+                if n not in REQUIRED_COLUMNS:
+                    types.setdefault(n, schema.field(n).type)
+        return types
 
     def parts_without(self, column: str) -> list[Path]:
         """The parts that lack ``column``."""
@@ -544,6 +550,7 @@ class Trace:
         extras: tuple[str, ...] = (),
         weights: bool = True,
         validate: bool = True,
+        fill_missing: bool = False,
     ) -> Iterator[TraceBatch]:
         """Stream the trace as :class:`TraceBatch` blocks of at most ``batch_rows`` rows.
 
@@ -554,15 +561,17 @@ class Trace:
         ``WEIGHT_SAMPLE_ROWS`` rows are still checked, so that a trace whose experts are not
         in descending gate-weight order (rank 0, the top-1 expert the n-gram statistics
         read, would be another) is refused by every stage; ``moeplan trace info`` and
-        ``trace split`` check every row.
+        ``trace split`` check every row. ``extras`` a part lacks are refused, or with
+        ``fill_missing`` read as nulls (object arrays of None) there.
         """
         if not is_integer(batch_rows) or not 1 <= batch_rows <= 2**40:
             raise InputError(f"batch_rows={batch_rows!r} must be an integer in [1, 2**40]")
-        columns = [c for c in REQUIRED_COLUMNS if weights or c != "weights"] + list(extras)
         for part, schema in zip(self.parts, self._schemas, strict=True):
             missing = [e for e in extras if e not in schema.names]
-            if missing:
+            if missing and not fill_missing:
                 raise SchemaError(f"{part}: has no column(s) {', '.join(missing)}")
+            present = tuple(e for e in extras if e in schema.names)
+            columns = [c for c in REQUIRED_COLUMNS if weights or c != "weights"] + list(present)
             if validate and not weights:
                 for rb in _part_batches(part, WEIGHT_SAMPLE_ROWS, list(REQUIRED_COLUMNS)):
                     _batch_from_record_batch(rb, self.meta, (), str(part)).validate(
@@ -570,7 +579,11 @@ class Trace:
                     )
                     break
             for rb in _part_batches(part, batch_rows, columns):
-                batch = _batch_from_record_batch(rb, self.meta, tuple(extras), str(part))
+                batch = _batch_from_record_batch(rb, self.meta, present, str(part))
+                for e in missing:  # fill_missing: nulls where the part has no such column
+                    batch.extras[e] = np.full(rb.num_rows, None, dtype=object)
+                if missing:
+                    batch.extras = {e: batch.extras[e] for e in extras}  # the order asked
                 if validate:
                     batch.validate(self.meta, where=str(part))
                 yield batch

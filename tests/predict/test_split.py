@@ -206,7 +206,8 @@ def test_a_config_files_domain_stands_down_for_a_typed_random_split(tmp_path, ex
 
 def test_a_part_without_the_domain_column(tmp_path, exact_trace):
     # A part lacking a column the other parts have: split by domain names the part; split by
-    # request keeps the columns every part has (it used to fail on the first such part).
+    # request keeps every column, null in the rows of the part that lacked it (it used to
+    # fail on the first such part, then dropped the column).
     import shutil
 
     from planner.predict.split import split_trace, split_trace_by_domain
@@ -228,7 +229,7 @@ def test_a_part_without_the_domain_column(tmp_path, exact_trace):
     assert not (tmp_path / "fit").exists() and not (tmp_path / "held").exists()
     s = split_trace(d, tmp_path / "fit", tmp_path / "held", 0.5, 0)
     assert s["fit_tokens"] + s["heldout_tokens"] == open_trace(d).num_rows
-    assert "domain" not in open_trace(tmp_path / "fit").extra_columns()
+    assert "domain" in open_trace(tmp_path / "fit").extra_columns()
 
 
 def _with_domain(tmp_path, exact_trace, name: str, domain: list, extra: dict | None = None):
@@ -310,3 +311,35 @@ def test_split_writes_extra_columns_back_with_their_types_and_nulls(tmp_path, ex
     want = dict(zip(zip(table.column("request_id").to_pylist(), table.column("position").to_pylist(), strict=True),
                     table.column("score").to_pylist(), strict=True))  # fmt: skip
     assert got == want  # every row's value, nulls included, on one side or the other
+
+
+def test_split_keeps_a_column_only_some_parts_have(tmp_path):
+    """An extra column of only some parts was dropped from every output part (a later
+    --heldout-domain on either side then failed); it is carried, null where it was absent."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from planner.predict.split import split_trace
+    from planner.trace import TraceMeta, write_trace
+    from tests.conftest import random_batch
+
+    meta = TraceMeta("test/parts", num_layers=2, num_experts=4, top_k=2, vocab_size=20)
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(2):
+        b = random_batch(meta, 40, seed=i, requests=4)
+        b.request_id[:] += 10 * i  # distinct requests per part
+        if i == 1:
+            b.extras["domain"] = np.where(b.request_id % 2 == 0, 7, 8).astype(np.int32)
+        write_trace(src / f"part-{i:05d}.parquet", meta, b)
+    split_trace(src, tmp_path / "f", tmp_path / "h", 0.5, seed=0)
+    seen = []
+    for side in ("f", "h"):
+        for part in sorted((tmp_path / side).glob("part-*.parquet")):
+            t = pq.read_table(part)
+            assert t.schema.field("domain").type == pa.int32()
+            seen += list(
+                zip(t.column("request_id").to_pylist(), t.column("domain").to_pylist(), strict=True)
+            )
+    assert {d for r, d in seen if r < 10} == {None}
+    assert {d for r, d in seen if r >= 10} == {7, 8}
