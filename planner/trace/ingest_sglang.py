@@ -559,7 +559,10 @@ def ingest_sglang(
     if not isinstance(model, str) or not model.strip():
         raise InputError(f"sglang: model={model!r} must be a non-empty name (--model)")
     # Never replace an input dump, a directory holding one, or a directory of another kind.
-    single = check_trace_output(out, inputs=tuple(dump_files(dumps)))
+    # the directories given count as inputs too: an output inside one would be read back
+    # as a dump by a later ingest of that directory
+    given = tuple(Path(d) for d in ([dumps] if isinstance(dumps, str | Path) else dumps))
+    single = check_trace_output(out, inputs=tuple(dump_files(dumps)) + given)
     meta, batch, stats = convert_sglang(
         dumps, model=model, vocab_size=vocab_size, skip_decode=skip_decode
     )

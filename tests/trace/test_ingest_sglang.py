@@ -226,7 +226,9 @@ def test_force_never_replaces_the_input_dumps(tmp_path):
     fixture.write(dumps)
     before = sorted(p.name for p in dumps.iterdir())
     one = sorted(dumps.iterdir())[0]
-    for out in (dumps, one, tmp_path):
+    # and a path inside the dump directory (it was accepted: the directory given was not
+    # counted as an input, only the dump files found in it)
+    for out in (dumps, one, tmp_path, dumps / "x"):
         with pytest.raises(InputError, match="reads its input"):
             ingest_sglang([dumps], out, overwrite=True)
     assert sorted(p.name for p in dumps.iterdir()) == before
