@@ -165,6 +165,15 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
         # then allow one maximal token above the cap on every device (the slack rule of
         # planner.solve.problem), rather than give up; planner.solve.assign falls back alike
         fallbacks = [("slack", sub.capacity + sub.load_slack, False)]
+        if start is not None:
+            # the heaviest device of the start (the shared assignment's answer, which every
+            # other method's tokens get): a cap the program can meet, usually far below the
+            # slack rule's (beta 1 with an odd total: 145 against 174 for the slack)
+            reached = float(
+                np.bincount(start[1], weights=sub.token_freq, minlength=sub.ep_size).max()
+            )
+            if reached < sub.capacity + sub.load_slack:
+                fallbacks.insert(0, ("start_load", reached, False))
         if sub.num_tokens and sub.token_freq.max() > sub.capacity:
             fallbacks.insert(0, ("heavy_fill", sub.capacity, True))
         for rule, capacity, heavy_fill in fallbacks:

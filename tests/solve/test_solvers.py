@@ -521,3 +521,22 @@ def test_metis_sees_tiny_affinities_as_it_sees_their_multiples() -> None:
     x = solve_layer(base, "metis", SolverConfig(seed=0)).expert_to_device
     y = solve_layer(tiny, "metis", SolverConfig(seed=0)).expert_to_device
     assert canonical_labels(x, 4).tolist() == canonical_labels(y, 4).tolist()
+
+
+def test_ilp_where_the_cap_cannot_be_met_keeps_the_balance_the_others_reach() -> None:
+    """beta 1 with an odd total: no assignment meets the fractional cap, and the ILP fell back
+    to the slack rule (cap + the heaviest token), 174 on a device where every other method
+    kept 145. It now first takes the load its start (the shared assignment) reached."""
+    base = random_problem(200, 8, 2, clusters=2, noise=0.3, seed=0, max_freq=30)
+    a = base.token_freq.copy()
+    if a.sum() % 2 == 0:
+        a[np.argmin(a)] += 1
+    problem = LayerProblem(base.affinity, a, 2, beta=1.0)
+    p = solve_layer(problem, "ilp", SolverConfig(seed=0, time_limit=30))
+    km = solve_layer(problem, "kmeans", SolverConfig(seed=0))
+
+    def heaviest(result):
+        return np.bincount(result.token_to_device, weights=a, minlength=2).max()
+
+    assert p.info["token_rule"] == "start_load" and p.info["status"] == "optimal"
+    assert heaviest(p) <= heaviest(km) and p.objective >= km.objective - 1e-6
