@@ -6,7 +6,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-runs/example}"
 ep="${EP:-4}"
-rm -rf "$out" && mkdir -p "$out"
+# Replace only an earlier run (marked, or the default folder) or an empty directory: a
+# mistyped $1 (a home directory, a project) must never be deleted.
+if [ -e "$out" ]; then
+  if [ -f "$out/.moeplan-example" ] || [ "$out" = "runs/example" ] || [ -z "$(ls -A "$out")" ]; then
+    rm -rf "$out"
+  else
+    echo "run_example.sh: $out exists and is not an earlier run of this script; choose another directory" >&2
+    exit 2
+  fi
+fi
+mkdir -p "$out" && touch "$out/.moeplan-example"
 
 echo "== 1. profile: record how examples/tiny_moe routes examples/prompts.jsonl"
 moeplan profile --model examples/tiny_moe/model --prompts examples/prompts.jsonl \
