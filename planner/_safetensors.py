@@ -15,10 +15,11 @@ that against the library.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,18 @@ _DTYPES = {
 }  # fmt: skip
 _NAMES = {np.dtype(t): name for name, t in _DTYPES.items()}
 _RANK = {name: i for i, name in enumerate(_DTYPES)}
+
+
+@contextlib.contextmanager
+def write_errors_as_oserror(dest: str | Path) -> Iterator[None]:
+    """The safetensors library's write failures (a full disk) as an OSError naming ``dest``:
+    it raises its own SafetensorError, no OSError, and names no file."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except SafetensorError as e:
+        raise OSError(f"{dest}: cannot be written ({e})") from None
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ import safetensors.numpy
 from planner import __version__
 from planner._checks import is_integer, is_plain_int
 from planner._io import atomic_path, check_output, read_json_object, sha256_file
+from planner._safetensors import write_errors_as_oserror
 from planner.errors import InputError, MismatchError, SchemaError
 from planner.trace.schema import TraceMeta
 
@@ -531,12 +532,10 @@ def save_bundle(
     with atomic_path(dest) as tmp:
         tmp.mkdir()
         tables_path = tmp / TABLES_FILE
-        try:
+        with write_errors_as_oserror(dest):
             safetensors.numpy.save_file(
                 {k: np.ascontiguousarray(v) for k, v in bundle.tables().items()}, tables_path
             )
-        except safetensors.SafetensorError as e:  # a full disk: not an OSError, no file name
-            raise OSError(f"{dest}: cannot be written ({e})") from None
         files = {
             TABLES_FILE: {"sha256": sha256_file(tables_path), "bytes": tables_path.stat().st_size}
         }

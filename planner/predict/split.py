@@ -179,15 +179,13 @@ def _domain_names(batch, where: object) -> np.ndarray:
     side), and a string column's null as None (a domain named "None"): nulls are refused
     and whole floats named as the integers they are."""
     values = np.asarray(batch.extras[DOMAIN_COLUMN])
-    if values.dtype.kind == "f":
-        if np.isnan(values).any():
-            raise SchemaError(
-                f"{where}: the domain column holds nulls; give every request a domain"
-            )
-        if np.isfinite(values).all() and (values == np.round(values)).all():
-            values = values.astype(np.int64)
-    elif values.dtype.kind == "O" and any(v is None for v in values):
+    kind = values.dtype.kind
+    float_null = kind == "f" and np.isnan(values).any()
+    object_null = kind == "O" and (values == None).any()  # noqa: E711 (elementwise)
+    if float_null or object_null:
         raise SchemaError(f"{where}: the domain column holds nulls; give every request a domain")
+    if kind == "f" and np.isfinite(values).all() and (values == np.round(values)).all():
+        values = values.astype(np.int64)
     return np.char.strip(values.astype(str))
 
 

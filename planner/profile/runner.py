@@ -47,6 +47,7 @@ from planner._io import (
     write_json_atomic,
 )
 from planner._progress import progress_bar
+from planner._safetensors import write_errors_as_oserror
 from planner.errors import InputError, ModelError, MoeplanError
 from planner.profile.checkpoint import (
     DTYPES,
@@ -633,15 +634,11 @@ def save_embeddings(model: Any, dest: Path, dtype: str, meta: TraceMeta) -> Path
     (``dtype``; bfloat16 stays bfloat16: as float16 a value beyond 65504 became inf, which
     ``fit`` then refused), tensor name ``embeddings``."""
     import torch
-    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     weight = model.get_input_embeddings().weight.detach()
     tensor = weight.to(device="cpu", dtype=getattr(torch, dtype)).contiguous()
     metadata = {"model": meta.model, "fingerprint": meta.fingerprint()}
-    with atomic_path(dest) as tmp:
-        try:
-            save_file({EMBEDDINGS_TENSOR: tensor}, str(tmp), metadata=metadata)
-        except SafetensorError as e:  # a full disk: not an OSError, and no file name
-            raise OSError(f"{dest}: cannot be written ({e})") from None
+    with atomic_path(dest) as tmp, write_errors_as_oserror(dest):
+        save_file({EMBEDDINGS_TENSOR: tensor}, str(tmp), metadata=metadata)
     return dest

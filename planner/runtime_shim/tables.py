@@ -127,8 +127,7 @@ def online_candidates(
             "token_device, token_confidence, ngram_device and ngram_confidence must have "
             f"the same shape, got {shapes}"
         )
-    for ids, name in ((td, "token_device"), (nd, "ngram_device")):
-        require_data(ids, name)
+    for ids, name in ((td, "token_device"), (nd, "ngram_device")):  # (as_tensor: data held)
         if not holds_integers(ids):
             raise InputError(f"{name} ids must be integers, got {ids.dtype}")
     bad = out_of_range(td, 0, 2**63 - 1)
@@ -183,10 +182,8 @@ def assign_with_capacity(
         [T] or [R, T] int64 devices (numpy in, numpy out), each device holding <= C
         tokens per row; unchanged where no device overflows.
     """
-    dev, to_np = _as_tensor(device, "device")
+    dev, to_np = _as_tensor(device, "device")  # (as_tensor refuses meta tensors)
     conf, _ = _as_tensor(confidence, "confidence")
-    require_data(dev, "device")
-    require_data(conf, "confidence")
     if dev.shape != conf.shape or dev.dim() not in (1, 2):
         raise InputError(
             f"device and confidence must both be [T] or [R, T]; got {list(dev.shape)} and "
@@ -211,8 +208,6 @@ def assign_with_capacity(
     if second is not None:
         alt, _ = _as_tensor(second, "second")
         alt_conf, _ = _as_tensor(second_confidence, "second_confidence")
-        require_data(alt, "second")
-        require_data(alt_conf, "second_confidence")
         if alt.shape != dev.shape or alt_conf.shape != dev.shape:
             raise InputError(
                 f"second and second_confidence must have the shape of device "

@@ -16,10 +16,12 @@ dev_d`` with ``dev_d >= |load_d - S/E|`` ("penalty" mode). Constraints (named as
 - ``token_once_j``: ``sum_d y[j, d] = 1``;
 - ``load_d``: ``sum_j a_j y[j, d] <= beta S / E`` (cap mode). When no placement fits
   because tokens are indivisible, the program is solved again, first with each token's load
-  counted as at most the cap (a token heavier than the cap fills a device alone), then with
-  the cap raised by the heaviest token on every device (the slack rule of
-  :mod:`planner.solve.problem`); ``info["token_rule"]`` (``cap``, ``heavy_fill`` or
-  ``slack``) and ``info["token_cap"]`` say which (``program_token_rule`` and
+  counted as at most the cap (a token heavier than the cap fills a device alone), then
+  under the heaviest load its start (the shared assignment) reached, where that is lower
+  than the next rule's, then with the cap raised by the heaviest token on every device (the
+  slack rule of :mod:`planner.solve.problem`); ``info["token_rule"]`` (``cap``,
+  ``heavy_fill``, ``start_load`` or ``slack``) and ``info["token_cap"]`` say which
+  (``program_token_rule`` and
   ``program_token_cap`` when the program held only the most frequent tokens, whose own cap
   it scales; ``token_cap`` is then the problem's, under which every token is placed);
 - ``zx_j_k_d``: ``z <= x[k, d]``; ``zy_j_k_d``: ``z <= y[j, d]``.
