@@ -114,16 +114,19 @@ def export(
         check_output(
             out, marker=None, what=f"{fmt.name} file", inputs=(plan,), suffixes=fmt.suffixes
         )
-        if Path(out).suffix.lower() not in fmt.suffixes:  # the engine reads its format by it
+        # the engine reads its format by the ending, case and all (SGLang: endswith(".json"))
+        if Path(out).suffix not in fmt.suffixes:
             raise InputError(
-                f"--out {out}: a {fmt.name} file is named *{' or *'.join(fmt.suffixes)}"
+                f"--out {out}: a {fmt.name} file is named *{' or *'.join(fmt.suffixes)} "
+                "(lower case: the engine tells its format by the ending)"
             )
         text = fmt.render(EnginePlacement.from_bundle(bundle, num_model_layers))
         check_engine_file_replaceable(out, fmt, text)
         write_bytes_atomic(out, text.encode())
-        result = {"path": out, "format": fmt.name, "usage": fmt.usage}
+        usage = fmt.usage.replace(fmt.filename, str(Path(out).resolve()))
+        result = {"path": out, "format": fmt.name, "usage": usage}
         print_json(result) if as_json else console.print(
-            f"wrote {fmt.name} placement to {out}\n  use it with: {fmt.usage}"
+            f"wrote {fmt.name} placement to {out}\n  use it with: {usage}"
         )
         return
     check_bundle_output(out, inputs=(plan,))

@@ -53,7 +53,7 @@ from planner._checks import is_integer, is_plain_int
 from planner._io import atomic_path, check_output, read_json_object, sha256_file
 from planner._safetensors import write_errors_as_oserror
 from planner.errors import InputError, MismatchError, SchemaError
-from planner.trace.schema import TraceMeta
+from planner.trace.schema import COUNTS_SOURCE, TraceMeta
 
 FORMAT = "moeplan-bundle"
 FORMAT_VERSION = 1
@@ -160,7 +160,8 @@ class Bundle:
         method: solver that made the plan (free text, e.g. "ceo").
         seed: the seed it ran with, or None.
         metrics: JSON-serialisable numbers measured when the plan was made.
-        created_by: "moeplan <version>" of the writer.
+        created_by: "moeplan <version>" of the writer (of the bundle it was read from;
+            :func:`save_bundle` writes its own).
 
     Use :meth:`from_arrays` to build one from arrays of any integer / float dtype; the
     constructor itself insists on the exact on-disk dtypes.
@@ -526,7 +527,7 @@ def save_bundle(
     dest = Path(path)
     reserved = {TABLES_FILE, MANIFEST_FILE}
     for name in extra_files or {}:
-        if name in reserved or Path(name).name != name or name.startswith("."):
+        if not name or name in reserved or Path(name).name != name or name.startswith("."):
             raise InputError(f"extra bundle file name {name!r} is reserved or not a plain name")
     check_bundle_output(dest)
     with atomic_path(dest) as tmp:
@@ -534,7 +535,9 @@ def save_bundle(
         tables_path = tmp / TABLES_FILE
         with write_errors_as_oserror(dest):
             safetensors.numpy.save_file(
-                {k: np.ascontiguousarray(v) for k, v in bundle.tables().items()}, tables_path
+                {k: np.ascontiguousarray(v) for k, v in bundle.tables().items()},
+                tables_path,
+                metadata={LAYOUT_KEY: json.dumps(_layout(bundle.manifest()))},
             )
         files = {
             TABLES_FILE: {"sha256": sha256_file(tables_path), "bytes": tables_path.stat().st_size}
@@ -542,9 +545,48 @@ def save_bundle(
         for name, data in sorted((extra_files or {}).items()):
             (tmp / name).write_bytes(data)
             files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-        manifest = bundle.manifest(files)
+        # the writer is this moeplan, also where the bundle was read from an older one's
+        manifest = bundle.manifest(files) | {"created_by": _created_by()}
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     return dest
+
+
+# The manifest fields that say which model layer and device each table row and column
+# belong to, copied into the tables file's safetensors header (``__metadata__``), which its
+# sha256 covers: a manifest edited there (other layers, another source) is then refused
+# like a changed table, where the fingerprint, of the model fields only, let it through.
+LAYOUT_KEY = "moeplan_layout"
+_LAYOUT_FIELDS = ("moe_layer_indices", "ep_size", "ngram_order", "source")
+
+
+def _layout(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: manifest.get(k) for k in _LAYOUT_FIELDS}
+
+
+def _check_layout(path: Path, manifest: Mapping[str, Any]) -> None:
+    """SchemaError if the manifest's layout fields differ from the copy in the tables'
+    header (after the tables' sha256 was checked). Bundles written before the copy have
+    none and are taken as they are."""
+    stored = _safetensors_metadata(path / TABLES_FILE).get(LAYOUT_KEY)
+    if stored is None:
+        return
+    try:
+        header = json.loads(stored)
+    except ValueError:
+        header = None
+    if not isinstance(header, dict):
+        raise SchemaError(f"bundle {path}: {TABLES_FILE} header {LAYOUT_KEY} is not a JSON object")
+    for key in _LAYOUT_FIELDS:
+        if header.get(key) != manifest.get(key):
+            raise SchemaError(
+                f"bundle {path}: manifest {key} {_short(manifest.get(key))} differs from the "
+                f"tables' ({_short(header.get(key))}); the manifest was edited"
+            )
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else f"{text[:60]}..."
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:
@@ -664,15 +706,30 @@ def _read_tables(path: Path) -> dict[str, np.ndarray]:
 _NUMPY_DTYPES = {"BOOL", "U8", "I8", "U16", "I16", "F16", "U32", "I32", "F32", "U64", "I64", "F64"}
 
 
-def _safetensors_dtypes(file: Path) -> dict[str, str]:
-    """Tensor name -> dtype name from a safetensors header ({} if unreadable)."""
+def _safetensors_header(file: Path) -> dict[str, Any]:
+    """A safetensors file's JSON header ({} if unreadable)."""
     try:
         with open(file, "rb") as f:
             size = int.from_bytes(f.read(8), "little")
             header = json.loads(f.read(min(size, 1 << 24)))
-        return {k: str(v.get("dtype")) for k, v in header.items() if k != "__metadata__"}
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, RecursionError):
         return {}
+    return header if isinstance(header, dict) else {}
+
+
+def _safetensors_dtypes(file: Path) -> dict[str, str]:
+    """Tensor name -> dtype name from a safetensors header ({} if unreadable)."""
+    header = _safetensors_header(file)
+    try:
+        return {k: str(v.get("dtype")) for k, v in header.items() if k != "__metadata__"}
+    except AttributeError:
+        return {}
+
+
+def _safetensors_metadata(file: Path) -> dict[str, Any]:
+    """A safetensors header's ``__metadata__`` ({} if none)."""
+    metadata = _safetensors_header(file).get("__metadata__")
+    return metadata if isinstance(metadata, dict) else {}
 
 
 def _read_bundle_dir(path: Path) -> tuple[dict[str, Any], TraceMeta, dict[str, np.ndarray]]:
@@ -684,6 +741,7 @@ def _read_bundle_dir(path: Path) -> tuple[dict[str, Any], TraceMeta, dict[str, n
     problems = _array_problems(meta, manifest["ep_size"], manifest["ngram_order"], tables)
     if problems:
         raise SchemaError(f"bundle {path}: {problems[0]}")
+    _check_layout(path, manifest)
     return manifest, meta, tables
 
 
@@ -789,8 +847,55 @@ def verify_bundle(path: str | os.PathLike) -> dict[str, Any]:
     bad = [entry for entry in layers if not entry["ok"]]
     if bad:
         report["error"] = f"bundle {p}: {bad[0]['problems'][0]}"
-    report["ok"] = not bad
+    elif engine_problems := _engine_file_problems(p, manifest, meta, tables):
+        report["error"] = f"bundle {p}: {engine_problems[0]}"
+    report["ok"] = report["error"] is None
     return report
+
+
+def _engine_file_problems(
+    path: Path, manifest: Mapping[str, Any], meta: TraceMeta, tables: Mapping[str, np.ndarray]
+) -> list[str]:
+    """Problems of the engine files in a bundle: each must be listed in the manifest (the
+    sha256 then covers it) and be what the tables render to (a file and its manifest entry
+    edited together pass the checksum; SGLang's row count is the file's own, set by
+    ``--num-model-layers``)."""
+    from planner.export.engines import FORMATS, EnginePlacement
+
+    problems = []
+    for fmt in FORMATS.values():
+        file = path / fmt.filename
+        if not file.is_file():
+            continue
+        if fmt.filename not in manifest["files"]:
+            problems.append(
+                f"{fmt.filename} is not listed in the manifest, so nothing checks it; export "
+                "the plan again"
+            )
+            continue
+        idx = meta.moe_layer_indices
+        rows = max(idx) + 1
+        if fmt.name == "sglang":
+            try:
+                rows = len(json.loads(file.read_text())["physical_to_logical_map"])
+            except (ValueError, KeyError, TypeError, RecursionError):
+                problems.append(f"{fmt.filename} is not an SGLang expert-location file")
+                continue
+        try:
+            placement = EnginePlacement(
+                tables["expert_permutation"], manifest["ep_size"], idx, rows,
+                unplanned_gaps=meta.source.startswith(COUNTS_SOURCE),
+            )  # fmt: skip
+            same = fmt.render(placement).encode() == file.read_bytes()
+        except (InputError, SchemaError) as e:
+            problems.append(f"{fmt.filename} cannot be rendered from the tables ({e})")
+            continue
+        if not same:
+            problems.append(
+                f"{fmt.filename} is not what the bundle's tables give (it was edited with its "
+                "manifest entry, or written by another moeplan version); export the plan again"
+            )
+    return problems
 
 
 # ---------------------------------------------------------------------------------------

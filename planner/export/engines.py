@@ -101,7 +101,10 @@ class EnginePlacement:
             layers left unplanned, not dense ones (a plan fitted from counts of some layers,
             :func:`planner.predict.counts`): the formats that list MoE layers only
             (vllm-ascend, TensorRT-LLM) then refuse the plan, since they would give a layer's
-            plan to another layer or lack one.
+            plan to another layer or lack one, and SGLang's, which needs a row for every
+            model layer, needs ``num_model_layers`` given (``model_layers_given``): the
+            model may have MoE layers after the last one counted.
+        model_layers_given: ``num_model_layers`` was given, not defaulted.
 
     Example: a 3-layer model whose layer 0 is dense, N = 4, E = 2::
 
@@ -113,6 +116,7 @@ class EnginePlacement:
     moe_layer_indices: tuple[int, ...]
     num_model_layers: int
     unplanned_gaps: bool = False
+    model_layers_given: bool = True
 
     def __post_init__(self) -> None:
         perm = np.asarray(self.expert_permutation)
@@ -176,6 +180,7 @@ class EnginePlacement:
             num_model_layers if num_model_layers is not None else max(idx) + 1,
             # a profiled trace names every MoE layer of the model; a counts table some
             unplanned_gaps=bundle.meta.source.startswith(COUNTS_SOURCE),
+            model_layers_given=num_model_layers is not None,
         )
 
     @classmethod
@@ -200,6 +205,15 @@ class EnginePlacement:
 
 def sglang_expert_location(placement: EnginePlacement) -> dict[str, Any]:
     """``{"physical_to_logical_map": [num_model_layers][N]}``; dense layers get identity."""
+    if placement.unplanned_gaps and not placement.model_layers_given:
+        # SGLang indexes this map by decoder layer: a map that stops at the last counted
+        # layer is an IndexError at the model's first MoE layer after it
+        raise InputError(
+            f"sglang: the plan was fitted from counts of model layers "
+            f"{list(placement.moe_layer_indices)} only, so the model may have more layers "
+            "after them and SGLang needs a row for each: pass --num-model-layers (the "
+            "model's num_hidden_layers)"
+        )
     n = placement.num_experts
     rows = [list(range(n)) for _ in range(placement.num_model_layers)]
     for moe_layer, model_layer in enumerate(placement.moe_layer_indices):
@@ -216,8 +230,8 @@ def _every_moe_layer(placement: EnginePlacement, engine: str) -> None:
         raise InputError(
             f"{engine}: the plan was fitted from counts of model layers {list(idx)} only; the "
             f"{engine} file lists every MoE layer in order, so the layers before or between "
-            "would get the wrong plan or none (profile every MoE layer, or export sglang, whose rows "
-            "keep the default layout where no layer was planned)"
+            "would get the wrong plan or none (profile every MoE layer, or export sglang with "
+            "--num-model-layers, whose rows keep the default layout where no layer was planned)"
         )
 
 

@@ -161,7 +161,15 @@ def test_options_export_would_ignore_are_refused(plan_and_trace, tmp_path, capsy
     )
     assert "a sglang file is named *.json" in capsys.readouterr().err
     assert not (tmp_path / "placement").exists()
+    # SGLang parses a path as a file only if it ends in ".json", case and all
+    upper = tmp_path / "placement.JSON"
+    assert main(["export", str(plan), "--out", str(upper), "--format", "sglang"]) == 2
+    assert "a sglang file is named *.json (lower case" in capsys.readouterr().err
+    assert not upper.exists()
     out = tmp_path / "placement.json"
     for _ in range(2):  # and again over its own file
         assert main(["export", str(plan), "--out", str(out), "--format", "sglang",
                      "--num-model-layers", "4"]) == 0  # fmt: skip
+        # the usage names the file written, not the bundle's default name
+        printed = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+        assert f"--init-expert-location {out.resolve()}" in printed

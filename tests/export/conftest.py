@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+import safetensors
+import safetensors.numpy
 
 from planner.export import Bundle
 from planner.trace import TraceMeta
@@ -65,3 +69,25 @@ def make_bundle(
 @pytest.fixture
 def hand_bundle() -> Bundle:
     return make_bundle()
+
+
+def rewrite_tables(path: Path, *, keep_layout: bool = True, **replace: np.ndarray) -> None:
+    """Replace tensors in a saved bundle and fix the manifest's sha256 and size (a 'valid'
+    edit); ``keep_layout=False`` drops the header's copy of the manifest's layout fields,
+    as in a bundle written before the copy was kept."""
+    with safetensors.safe_open(path / "tables.safetensors", "np") as f:
+        metadata = f.metadata() if keep_layout else None
+    tables = safetensors.numpy.load_file(path / "tables.safetensors")
+    tables = {k: np.array(v) for k, v in tables.items()} | replace
+    safetensors.numpy.save_file(tables, path / "tables.safetensors", metadata=metadata)
+    manifest = json.loads((path / "manifest.json").read_text())
+    data = (path / "tables.safetensors").read_bytes()
+    entry = manifest["files"]["tables.safetensors"]
+    entry["sha256"], entry["bytes"] = hashlib.sha256(data).hexdigest(), len(data)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def edit_manifest(path: Path, **changes) -> None:
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest.update(changes)
+    (path / "manifest.json").write_text(json.dumps(manifest))

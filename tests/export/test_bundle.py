@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import safetensors.numpy
 
+import planner
 from planner.errors import InputError, MismatchError, SchemaError
 from planner.export import (
     FORMAT_VERSION,
@@ -23,27 +23,14 @@ from planner.export import (
 )
 from planner.export import bundle as bundle_mod
 from planner.trace import TraceMeta
-from tests.export.conftest import HAND_EXPERT_TO_DEVICE, HAND_META, HAND_PERMUTATION, make_bundle
-
-
-def _rewrite_tables(path: Path, **replace: np.ndarray) -> None:
-    """Replace tensors in a saved bundle and fix the manifest's sha256 and size (a 'valid'
-    edit)."""
-    tables = safetensors.numpy.load_file(path / "tables.safetensors")
-    tables = {k: np.array(v) for k, v in tables.items()} | replace
-    safetensors.numpy.save_file(tables, path / "tables.safetensors")
-    manifest = json.loads((path / "manifest.json").read_text())
-    data = (path / "tables.safetensors").read_bytes()
-    entry = manifest["files"]["tables.safetensors"]
-    entry["sha256"], entry["bytes"] = hashlib.sha256(data).hexdigest(), len(data)
-    (path / "manifest.json").write_text(json.dumps(manifest))
-
-
-def _edit_manifest(path: Path, **changes) -> None:
-    manifest = json.loads((path / "manifest.json").read_text())
-    manifest.update(changes)
-    (path / "manifest.json").write_text(json.dumps(manifest))
-
+from tests.export.conftest import (
+    HAND_EXPERT_TO_DEVICE,
+    HAND_META,
+    HAND_PERMUTATION,
+    edit_manifest,
+    make_bundle,
+    rewrite_tables,
+)
 
 # ---------------------------------------------------------------------------------------
 # Placement helper
@@ -203,17 +190,17 @@ def test_corrupted_tables_fail_sha256(tmp_path, hand_bundle):
 
 def test_wrong_format_version_names_both_versions(tmp_path, hand_bundle):
     path = save_bundle(hand_bundle, tmp_path / "b")
-    _edit_manifest(path, format_version=2)
+    edit_manifest(path, format_version=2)
     with pytest.raises(SchemaError, match="format_version 2 is not supported.*reads version 1"):
         load_bundle_arrays(path)
-    _edit_manifest(path, format_version=1, format="something-else")
+    edit_manifest(path, format_version=1, format="something-else")
     with pytest.raises(SchemaError, match="format is 'something-else'"):
         load_bundle_arrays(path)
 
 
 def test_wrong_dtype_names_the_tensor(tmp_path, hand_bundle):
     path = save_bundle(hand_bundle, tmp_path / "b")
-    _rewrite_tables(path, token_confidence=np.zeros((2, 12), np.float32))
+    rewrite_tables(path, token_confidence=np.zeros((2, 12), np.float32))
     with pytest.raises(SchemaError, match="tensor token_confidence is float32, expected float16"):
         load_bundle_arrays(path)
 
@@ -255,7 +242,7 @@ def test_a_dtype_numpy_cannot_read_is_refused_in_one_line(tmp_path, hand_bundle)
 )
 def test_verify_refuses_what_load_refuses(tmp_path, hand_bundle, changes, message):
     path = save_bundle(hand_bundle, tmp_path / "b")
-    _edit_manifest(path, **changes)
+    edit_manifest(path, **changes)
     with pytest.raises(SchemaError, match=message):
         load_bundle_arrays(path)
     report = verify_bundle(path)
@@ -266,7 +253,7 @@ def test_an_edited_file_size_is_refused(tmp_path, hand_bundle):
     path = save_bundle(hand_bundle, tmp_path / "b")
     files = json.loads((path / "manifest.json").read_text())["files"]
     files["tables.safetensors"]["bytes"] = 7  # the checksum left as it was
-    _edit_manifest(path, files=files)
+    edit_manifest(path, files=files)
     message = "manifest gives tables.safetensors 7 bytes but it holds"
     with pytest.raises(SchemaError, match=message):
         load_bundle_arrays(path)
@@ -277,7 +264,7 @@ def test_capacity_violation_on_disk(tmp_path, hand_bundle):
     path = save_bundle(hand_bundle, tmp_path / "b")
     e2d = hand_bundle.expert_to_device.copy()
     e2d[1, 0] = 0
-    _rewrite_tables(path, expert_to_device=e2d)
+    rewrite_tables(path, expert_to_device=e2d)
     with pytest.raises(SchemaError, match=r"bundle .*: layer 1: device 0 hosts 3 experts"):
         load_bundle_arrays(path)
     report = verify_bundle(path)
@@ -288,7 +275,7 @@ def test_capacity_violation_on_disk(tmp_path, hand_bundle):
 
 def test_missing_and_extra_tensors(tmp_path, hand_bundle):
     path = save_bundle(hand_bundle, tmp_path / "b")
-    _rewrite_tables(path, extra_table=np.zeros(3, np.int16))
+    rewrite_tables(path, extra_table=np.zeros(3, np.int16))
     with pytest.raises(SchemaError, match="unexpected tensor"):
         load_bundle_arrays(path)
 
@@ -327,6 +314,8 @@ def test_extra_file_names_are_checked(tmp_path, hand_bundle):
         save_bundle(hand_bundle, tmp_path / "b", extra_files={"manifest.json": b"x"})
     with pytest.raises(InputError, match="reserved"):
         save_bundle(hand_bundle, tmp_path / "b", extra_files={"../x.json": b"x"})
+    with pytest.raises(InputError, match="reserved"):  # was a raw IsADirectoryError
+        save_bundle(hand_bundle, tmp_path / "b", extra_files={"": b"x"})
 
 
 # ---------------------------------------------------------------------------------------
@@ -382,3 +371,39 @@ def test_loading_refuses_what_is_not_a_path():
                 read(bad)
         with pytest.raises(InputError, match="bundle path is empty"):  # was read as "."
             read("")
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"moe_layer_indices": [5, 9]}, "moe_layer_indices"),  # which model layer a row is
+        ({"source": None}, "source"),  # a counts table's plan would pass the engine checks
+        ({"source": "tests 2"}, "source"),
+    ],
+)
+def test_an_edited_layout_in_the_manifest_is_refused(tmp_path, hand_bundle, changes, field):
+    """The fingerprint covers the model fields only: a manifest whose moe_layer_indices were
+    edited verified as ok, and a re-export put the engines' rows on the edited layers. The
+    tables' header keeps a copy, under the tables' sha256."""
+    path = save_bundle(hand_bundle, tmp_path / "b")
+    edit_manifest(path, **changes)
+    with pytest.raises(SchemaError, match=f"manifest {field} .* the manifest was edited"):
+        load_bundle_arrays(path)
+    report = verify_bundle(path)
+    assert not report["ok"] and f"manifest {field} " in report["error"]
+    # a bundle written before the copy (no layout in its header) is read as it is
+    old = save_bundle(hand_bundle, tmp_path / "old")
+    rewrite_tables(old, keep_layout=False)
+    assert load_bundle_arrays(old) == hand_bundle and verify_bundle(old)["ok"]
+
+
+def test_a_bundle_saved_again_names_its_new_writer(tmp_path, hand_bundle):
+    """A bundle read from an older moeplan and exported again kept "created_by": "moeplan
+    0.0.1" although this version wrote every file."""
+    old = save_bundle(hand_bundle, tmp_path / "old")
+    edit_manifest(old, created_by="moeplan 0.0.1")
+    loaded = load_bundle_arrays(old)
+    assert loaded.created_by == "moeplan 0.0.1"  # what wrote the bundle read
+    new = save_bundle(loaded, tmp_path / "new")
+    manifest = json.loads((new / "manifest.json").read_text())
+    assert manifest["created_by"] == f"moeplan {planner.__version__}"

@@ -14,7 +14,13 @@ from planner.cli.main import main
 from planner.errors import InputError, SchemaError
 from planner.export import EnginePlacement, load_bundle_arrays, save_bundle, verify_bundle
 from planner.solve.plan import Plan
-from tests.export.conftest import HAND_META, HAND_PERMUTATION, make_bundle
+from tests.export.conftest import (
+    HAND_META,
+    HAND_PERMUTATION,
+    edit_manifest,
+    make_bundle,
+    rewrite_tables,
+)
 
 
 def _one_line_error(capsys, rc: int, match: str) -> None:
@@ -103,9 +109,8 @@ def test_export_refuses_a_manifest_whose_moe_layers_reach_absurdly_far(
     """moe_layer_indices are not in the fingerprint; the default number of model layers
     (last index + 1) must not make the SGLang file billions of rows long."""
     path = save_bundle(hand_bundle, tmp_path / "b")
-    manifest = json.loads((path / "manifest.json").read_text())
-    manifest["moe_layer_indices"] = [1, 100_000]
-    (path / "manifest.json").write_text(json.dumps(manifest))
+    rewrite_tables(path, keep_layout=False)  # a bundle written before the header's copy
+    edit_manifest(path, moe_layer_indices=[1, 100_000])
     out = tmp_path / "sglang.json"
     rc = main(["export", str(path), "--out", str(out), "--format", "sglang"])
     _one_line_error(capsys, rc, "decoder layers")
@@ -133,7 +138,7 @@ def test_a_single_engine_file_replaces_only_a_file_of_its_kind(tmp_path, hand_bu
         _one_line_error(capsys, rc, f"exists and is not an earlier {fmt} file")
     assert "mixtral" in config.read_text() and "lb.yaml" in other_yaml.read_text()
     # An earlier file of the format (any name), or an empty file, is replaced.
-    for fmt, name in (("sglang", "old.JSON"), ("trtllm", "old.yml"), ("trtllm", "empty.yaml")):
+    for fmt, name in (("sglang", "old.json"), ("trtllm", "old.yml"), ("trtllm", "empty.yaml")):
         out = tmp_path / name
         if name == "empty.yaml":
             out.write_text("")

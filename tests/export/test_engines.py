@@ -8,6 +8,7 @@ rewrite them after a deliberate format change, then review the diff.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 
@@ -193,8 +194,14 @@ def test_a_plan_fitted_from_counts_of_some_layers_is_refused_where_only_moe_laye
     for name in ("vllm-ascend", "trtllm"):
         with pytest.raises(InputError, match=r"counts of model layers \[0, 7, 15\] only"):
             render_engine_file(name, bundle)
-    rows = json.loads(render_engine_file("sglang", bundle))["physical_to_logical_map"]
-    assert len(rows) == 16 and rows[1] == list(range(8))  # unplanned: the default layout
+    # SGLang indexes its map by decoder layer: rows up to layer 15 only were an IndexError at
+    # Mixtral's layers 16-31, so the model's layer count must be given
+    with pytest.raises(InputError, match=r"sglang: .*\[0, 7, 15\] only.*--num-model-layers"):
+        render_engine_file("sglang", bundle)
+    given = EnginePlacement.from_bundle(bundle, num_model_layers=32)
+    rows = json.loads(FORMATS["sglang"].render(given))["physical_to_logical_map"]
+    assert len(rows) == 32 and rows[1] == list(range(8))  # unplanned: the default layout
+    assert rows[7] == bundle.expert_permutation[1].tolist() and rows[31] == list(range(8))
     # the manifest keeps the source, so a bundle re-exported is refused the same
     saved = load_bundle_arrays(save_bundle(bundle, tmp_path / "b"))
     assert saved.meta.source == "counts table x.parquet"
@@ -239,3 +246,26 @@ def test_export_plan_writes_and_verifies_everything(tmp_path, hand_bundle):
     with pytest.raises(InputError, match="unknown engine format"):
         export_plan(make_bundle(), tmp_path / "other", engines=["nope"])
     assert not (tmp_path / "other").exists()
+
+
+def test_verify_checks_engine_files_against_the_tables(tmp_path, hand_bundle):
+    """verify trusted the manifest: an engine file edited together with its sha256 entry, or
+    one the manifest does not list at all, passed, and the printed usage pointed the engine
+    at it."""
+    out = tmp_path / "b"
+    export_plan(hand_bundle, out, engines=["sglang", "trtllm"], num_model_layers=6)
+    assert verify_bundle(out)["ok"]  # SGLang's 6 rows are the file's own, not a default
+    sglang = out / "sglang_expert_location.json"
+    data = json.loads(sglang.read_text())
+    data["physical_to_logical_map"][1] = list(range(8))  # MoE layer 0 back to the default
+    sglang.write_text(json.dumps(data))
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["files"][sglang.name]["sha256"] = hashlib.sha256(sglang.read_bytes()).hexdigest()
+    manifest["files"][sglang.name]["bytes"] = sglang.stat().st_size
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    report = verify_bundle(out)
+    assert not report["ok"] and "sglang_expert_location.json is not what the" in report["error"]
+    del manifest["files"][sglang.name]  # the file no longer listed at all
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    report = verify_bundle(out)
+    assert not report["ok"] and "is not listed in the manifest" in report["error"]
