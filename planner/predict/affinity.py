@@ -236,15 +236,7 @@ class TokenExpertAffinity:
         return self.token_counts_.astype(np.float64)
 
     def _token_ids(self, token_ids: np.ndarray) -> np.ndarray:
-        given = np.asarray(token_ids)
-        # a float id was truncated (1.7 read token 1), a uint64 past int64 wrapped to -1
-        if given.size and (given.dtype.kind not in "iu" or given.max() > np.iinfo(np.int64).max):
-            raise InputError(f"token ids must be integers in [-1, {self.meta_.vocab_size})")
-        ids = given.astype(np.int64)
-        bad = (ids < -1) | (ids >= self.meta_.vocab_size)
-        if bad.any():
-            raise InputError(f"token id {int(ids[bad][0])} outside [-1, {self.meta_.vocab_size})")
-        return ids
+        return token_id_array(token_ids, self.meta_.vocab_size)
 
     def source_rows(self, token_ids: np.ndarray) -> np.ndarray:
         """[T] int64 counts row each token's prediction is read from (-1 = global fallback)."""
@@ -422,6 +414,19 @@ class TokenExpertAffinity:
         return cls.from_fitted(
             meta, counts, top1, tensors["nearest_known"], fallback, confident_threshold
         )
+
+
+def token_id_array(token_ids, vocab_size: int) -> np.ndarray:
+    """``token_ids`` as int64, each in [-1, vocab_size) (-1: unknown), else InputError."""
+    given = np.asarray(token_ids)
+    # a float id was truncated (1.7 read token 1), a uint64 past int64 wrapped to -1
+    if given.size and (given.dtype.kind not in "iu" or given.max() > np.iinfo(np.int64).max):
+        raise InputError(f"token ids must be integers in [-1, {vocab_size})")
+    ids = given.astype(np.int64)
+    bad = (ids < -1) | (ids >= vocab_size)
+    if bad.any():
+        raise InputError(f"token id {int(ids[bad][0])} outside [-1, {vocab_size})")
+    return ids
 
 
 def _values_at(mat: sparse.csr_array, keys: np.ndarray, n: int) -> np.ndarray:

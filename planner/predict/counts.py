@@ -394,6 +394,7 @@ class CountsSelection:
         domains: ``domain`` values to pool (empty = all).
         num_experts, top_k, vocab_size: shapes when neither metadata nor
             :data:`KNOWN_MODEL_SHAPES` give them.
+        domain_flag: the CLI flag ``domains`` came from, for errors.
     """
 
     model: str | None = None
@@ -401,6 +402,7 @@ class CountsSelection:
     num_experts: int | None = None
     top_k: int | None = None
     vocab_size: int | None = None
+    domain_flag: str = "--domain"
 
 
 def _dictionary_values(table: pa.Table, column: str, path: Path) -> list[str]:
@@ -500,7 +502,7 @@ def read_counts_table(
         else:
             domains = tuple(available)
     elif selection.domains:
-        raise InputError(f"{path}: has no 'domain' column; drop --domain")
+        raise InputError(f"{path}: has no 'domain' column; drop {selection.domain_flag}")
     if table.num_rows == 0:
         raise InputError(
             f"{path}: no rows left after selecting model {model!r} and domains {domains}"
@@ -525,6 +527,8 @@ def read_counts_table(
     _check_range(path, "token_id", token, shape["vocab_size"], "vocab_size")
     _check_range(path, "expert", expert, shape["num_experts"], "num_experts")
     moe_index = np.searchsorted(layer_values, layer)
+    if "moe_layer_indices" in declared:  # the model layer of each MoE layer numbered
+        layer_values = np.asarray(declared["moe_layer_indices"], np.int64)
     meta = TraceMeta(
         model=model or str(declared.get("model") or path.stem),
         num_layers=len(layer_values),
@@ -598,6 +602,14 @@ def _check_declared(path: Path, declared: object) -> None:
         raise SchemaError(
             f"{path}: 'moeplan' metadata model={declared['model']!r} must be a string"
         )
+    if "moe_layer_indices" in declared:
+        idx = declared["moe_layer_indices"]
+        ok = isinstance(idx, list) and all(is_integer(i) and i >= 0 for i in idx)
+        if not ok or list(idx) != sorted(set(idx)) or len(idx) != declared.get("num_layers"):
+            raise SchemaError(
+                f"{path}: 'moeplan' metadata moe_layer_indices must be num_layers increasing "
+                "model layer indices"
+            )
 
 
 def _check_range(path: Path, name: str, values: np.ndarray, bound: int, what: str) -> None:
@@ -634,7 +646,8 @@ def _resolve_shape(
 
 
 def write_counts_table(path: str | Path, counts: TokenExpertCounts) -> Path:
-    """Write ``counts`` in DESIGN.md's counts schema (atomically); ``layer`` = MoE layer index."""
+    """Write ``counts`` in DESIGN.md's counts schema (atomically); ``layer`` = MoE layer
+    index, with the model layer of each in the metadata's ``moe_layer_indices``."""
     m = counts.meta
     cols: dict[str, list[np.ndarray]] = {c: [] for c in COUNTS_COLUMNS}
     for layer, mat in enumerate(counts.by_layer):
@@ -644,7 +657,14 @@ def write_counts_table(path: str | Path, counts: TokenExpertCounts) -> Path:
         cols["expert"].append(coo.col.astype(np.int16))
         cols["count"].append(coo.data.astype(np.int64))
     schema = counts_arrow_schema(
-        CountsMeta(m.num_layers, m.num_experts, m.top_k, m.vocab_size, model=m.model)
+        CountsMeta(
+            m.num_layers,
+            m.num_experts,
+            m.top_k,
+            m.vocab_size,
+            model=m.model,
+            moe_layer_indices=m.moe_layer_indices,
+        )  # fmt: skip
     )
     table = pa.Table.from_arrays(
         [pa.array(np.concatenate(cols[c]), schema.field(c).type) for c in COUNTS_COLUMNS],

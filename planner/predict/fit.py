@@ -162,7 +162,7 @@ def _fit_components(
     affinity = TokenExpertAffinity(confident_threshold=config.confident_threshold).fit(counts, emb)
     timings = {
         "affinity_seconds": round(time.perf_counter() - t0, 3),
-        "embeddings": config.embeddings,
+        "embeddings": None if config.embeddings is None else str(config.embeddings),
         "confident_threshold": affinity.confident_threshold,
     }
     neural = None
@@ -188,8 +188,13 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
     # all fitting rows - B).
     fold = fold_acc = None
     fold_layers = sampled_layers(meta.num_layers)
-    if config.token_reliability and request_ids.size >= 2:
-        fold = RequestSplit.make(request_ids, 0.5, config.seed + FOLD_SEED_OFFSET)
+    # the folds halve the fitting requests (drawn over all of them, a small fitting side
+    # could fall in one fold whole, and every layer then got m = 0: full trust)
+    fit_ids = np.unique(request_ids)
+    if split is not None:
+        fit_ids = fit_ids[~split.heldout_mask(fit_ids)]
+    if config.token_reliability and fit_ids.size >= 2:
+        fold = RequestSplit.make(fit_ids, 0.5, config.seed + FOLD_SEED_OFFSET)
         fold_meta = replace(meta, num_layers=fold_layers.size, moe_layer_indices=())
         fold_acc = CountsAccumulator(fold_meta)
     transitions = TransitionAccumulator(meta.num_layers, meta.num_experts, config.ngram_routed)
@@ -295,7 +300,8 @@ def _fit_counts(path: Path, config: FitConfig) -> FitResult:
                 "pass the fitting domains with --domain"
             )
         heldout = read_counts_table(
-            path, replace(config.counts, domains=tuple(config.eval_domains))
+            path,
+            replace(config.counts, domains=tuple(config.eval_domains), domain_flag="--eval-domain"),
         )
         split = {
             "kind": "domain",

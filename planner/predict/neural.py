@@ -31,6 +31,7 @@ import numpy as np
 
 from planner._checks import is_finite_number, is_integer
 from planner.errors import InputError, SchemaError
+from planner.predict.affinity import token_id_array
 from planner.predict.counts import TokenExpertCounts
 
 # Dense training targets are built once when they fit in this many floats, else per step.
@@ -231,10 +232,8 @@ class NeuralPredictor:
         """torch [T, L, N] logits of ``token_ids`` [T]; ``-1`` (unknown) reads a zero input."""
         torch = _torch()
         self._check_fitted()
-        ids = np.asarray(token_ids, np.int64)
         v = self.features_.shape[0] - 1
-        if ids.size and (int(ids.min()) < -1 or int(ids.max()) >= v):
-            raise InputError(f"token id outside [-1, {v})")
+        ids = token_id_array(token_ids, v)  # a float id (1.7) was read as token 1
         rows = torch.from_numpy(np.where(ids < 0, v, ids))
         with _threads(self.config.threads), torch.no_grad():
             return self.body_(self.features_[rows]).view(-1, self.num_layers_, self.num_experts_)

@@ -233,7 +233,11 @@ COUNTS_COLUMNS = ("layer", "token_id", "expert", "count")
 
 @dataclass(frozen=True)
 class CountsMeta:
-    """Metadata of a token-expert counts table (``{"schema": "counts", ...}``)."""
+    """Metadata of a token-expert counts table (``{"schema": "counts", ...}``).
+
+    ``moe_layer_indices`` (optional, beyond DESIGN.md's keys; written when known): the
+    model layer of each MoE layer the ``layer`` column numbers, as in a trace's metadata.
+    """
 
     num_layers: int
     num_experts: int
@@ -241,9 +245,15 @@ class CountsMeta:
     vocab_size: int
     model: str = ""
     schema_version: int = SCHEMA_VERSION
+    moe_layer_indices: tuple[int, ...] = ()
 
     def to_json(self) -> str:
-        return json.dumps({"schema": "counts"} | dataclasses.asdict(self))
+        fields = dataclasses.asdict(self)
+        if not self.moe_layer_indices:
+            del fields["moe_layer_indices"]
+        else:
+            fields["moe_layer_indices"] = [int(i) for i in self.moe_layer_indices]
+        return json.dumps({"schema": "counts"} | fields)
 
 
 def counts_arrow_schema(meta: CountsMeta) -> pa.Schema:

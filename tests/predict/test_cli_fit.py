@@ -145,8 +145,9 @@ def test_real_flame_trace(tmp_path, capsys):
     assert 0.0 < report["unseen_share"]["overall"] < 1.0
     assert report["ngram"]["top1_device_accuracy"]["overall"] > 0.125  # above chance on 8 devices
     # Real prefill routing: a token's identity says little beyond the layer average, so
-    # the token confidences are shrunk hard (m >= 64 occurrences at every layer).
-    assert min(data["fit"]["token_shrinkage"]) >= 64
+    # the token confidences are shrunk hard (m >= 32 occurrences at every layer; the
+    # folds halve the 6 fitting requests, so the estimate is coarse: 32-4096 a layer).
+    assert min(data["fit"]["token_shrinkage"]) >= 32
 
 
 def test_real_counts_thinning_and_cross_domain(tmp_path, capsys):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections import Counter
 
 import numpy as np
@@ -175,6 +177,26 @@ def test_counts_table_round_trip(tmp_path, small_meta):
     )  # fmt: skip
     assert as_counter(back.by_layer) == as_counter(counts.by_layer)
     assert back.top1_by_layer is None
+
+
+def test_a_counts_table_keeps_the_model_layers_of_its_moe_layers(tmp_path, small_meta):
+    """A trace's counts written as a table were read back as model layers 0..L-1: a plan
+    fitted on FLAME-MoE's counts (MoE layers at model layers 2-9) was refused against
+    FLAME-MoE's own trace ("MoE layer 0 is model layer 0 in the bundle and 2 in the trace")."""
+    layers = tuple(range(2, 2 + small_meta.num_layers))
+    meta = dataclasses.replace(small_meta, moe_layer_indices=layers)
+    counts = random_counts(meta, 60, seed=2)
+    back = read_counts_table(write_counts_table(tmp_path / "c.parquet", counts))
+    assert back.meta.moe_layer_indices == layers
+    assert back.meta.layer_mismatch(meta, ("counts", "trace")) is None
+    for bad in ([5, 3], [1], ["a", 2], -1):
+        declared = json.loads(pq.read_schema(tmp_path / "c.parquet").metadata[b"moeplan"])
+        declared["moe_layer_indices"] = bad
+        table = pq.read_table(tmp_path / "c.parquet")
+        table = table.replace_schema_metadata({"moeplan": json.dumps(declared)})
+        pq.write_table(table, tmp_path / "bad.parquet")
+        with pytest.raises(SchemaError, match="moe_layer_indices must be num_layers increasing"):
+            read_counts_table(tmp_path / "bad.parquet")
 
 
 def test_damaged_counts_table_names_the_file(tmp_path, small_meta):
@@ -364,3 +386,15 @@ def test_malformed_counts_metadata_is_a_schema_error(tmp_path, small_meta, meta,
     pq.write_table(table.replace_schema_metadata({b"moeplan": meta}), path)
     with pytest.raises(SchemaError, match=message):
         read_counts_table(path)
+
+
+def test_a_table_without_domains_names_the_flag_given(tmp_path, small_meta):
+    """`fit TABLE --eval-domain x` on a table without a domain column said "drop --domain",
+    a flag the user had not given."""
+    from planner.predict.fit import FitConfig, fit_predictor
+
+    path = write_counts_table(tmp_path / "c.parquet", random_counts(small_meta, 60, seed=2))
+    with pytest.raises(InputError, match="no 'domain' column; drop --eval-domain$"):
+        fit_predictor(path, FitConfig(eval_domains=("x",), progress=False))
+    with pytest.raises(InputError, match="no 'domain' column; drop --domain$"):
+        read_counts_table(path, CountsSelection(domains=("x",)))

@@ -432,3 +432,12 @@ def test_numpy_numbers_in_the_configs_reach_the_saved_predictor(exact_trace, tmp
     result = fit_predictor(counts, FitConfig(holdout=np.float32(0.5), seed=np.int64(2)))
     result.predictor.save(tmp_path / "counts-pred")
     assert load_predictor(tmp_path / "counts-pred").fit_info["split"]["fraction"] == 0.5
+
+
+def test_a_path_for_the_embeddings_reaches_the_saved_predictor(tmp_path, exact_trace):
+    """FitConfig(embeddings=Path(...)) fitted, then saving failed: a Path is not JSON."""
+    path, gen = exact_trace
+    emb = tmp_path / "emb.npy"
+    np.save(emb, np.random.default_rng(0).normal(size=(gen.config.vocab_size, 4)))
+    fit_predictor(path, FitConfig(embeddings=emb, progress=False)).predictor.save(tmp_path / "p")
+    assert load_predictor(tmp_path / "p").fit_info["embeddings"] == str(emb)

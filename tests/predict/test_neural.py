@@ -84,3 +84,12 @@ def test_settings_that_disagree_with_the_tensors_are_refused_before_allocating(e
     with pytest.raises(SchemaError, match="shape|do not match") as e:
         NeuralPredictor.from_tensors(nn.to_tensors(), settings, META.vocab_size)
     assert "allocate" not in str(e.value)
+
+
+def test_token_ids_are_checked_as_the_token_table_checks_them():
+    """A float id (1.7) was truncated to token 1, where the token table refuses it."""
+    nn = NeuralPredictor(NeuralConfig(max_steps=2, batch_size=8)).fit(chain_counts())
+    for bad, message in (([1.7], "must be integers"), ([-2], "outside"), ([10**6], "outside")):
+        with pytest.raises(InputError, match=message):
+            nn.predict_topk(np.array(bad))
+    assert nn.predict_topk(np.array([-1, 0])).shape[0] == 2
