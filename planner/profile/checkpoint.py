@@ -9,6 +9,7 @@ wrong directory fails in a second with one line. :func:`load_tokenizer` and
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 from dataclasses import dataclass
@@ -133,6 +134,19 @@ def load_tokenizer(info: CheckpointInfo) -> Any:
         raise ModelError(f"{info.path}: cannot load tokenizer ({first_line(e)})") from None
 
 
+def _attention_override(config: Any) -> dict[str, Any]:
+    """``attn_implementation="eager"`` where the config names another kernel than eager or
+    sdpa (``"_attn_implementation": "flash_attention_2"``, saved from a GPU run): the
+    routing does not depend on it, and the kernel's package is often not installed where
+    profiling runs (it was an ImportError traceback). Eager attention works for every
+    supported model. (transformers lets the config file's choice win over the argument
+    unless the config object is passed too: a copy, so ``config`` is left as read.)"""
+    requested = getattr(config, "_attn_implementation", None)
+    if requested in (None, "eager", "sdpa"):
+        return {}
+    return {"config": copy.deepcopy(config), "attn_implementation": "eager"}
+
+
 def load_model(info: CheckpointInfo, device: str, dtype: str, progress: bool = True) -> Any:
     """The checkpoint's causal LM in eval mode on ``device``, weights in ``dtype``."""
     _offline()
@@ -157,6 +171,7 @@ def load_model(info: CheckpointInfo, device: str, dtype: str, progress: bool = T
             dtype=getattr(torch, dtype),
             ignore_mismatched_sizes=True,
             output_loading_info=True,
+            **_attention_override(info.config),
         )
         model: Any = loaded[0]
         loading: dict[str, Any] = loaded[1]
@@ -173,9 +188,13 @@ def load_model(info: CheckpointInfo, device: str, dtype: str, progress: bool = T
         RuntimeError,
         AssertionError,
         IndexError,
+        ArithmeticError,
+        ImportError,
     ) as e:
-        # RuntimeError: the state-dict errors of transformers; AssertionError and IndexError:
-        # modules built from a bad config (a pad_token_id past the vocabulary, vocab_size 0)
+        # RuntimeError: the state-dict errors of transformers; AssertionError, IndexError and
+        # ArithmeticError: modules built from a bad config (a pad_token_id past the
+        # vocabulary, vocab_size 0, num_attention_heads 0); ImportError: a kernel package
+        # the config names is not installed
         raise ModelError(f"{info.path}: cannot load model weights ({first_line(e)})") from None
     finally:
         hf_logging.set_verbosity(verbosity)

@@ -216,21 +216,31 @@ def check_moe_config(adapter: RouterAdapter, config: Any, where: str) -> list[in
             f"{where}: topk_method={method!r}; DeepSeek-V2's router takes 'greedy' or "
             "'group_limited_greedy'"
         )
+    step = getattr(config, "decoder_sparse_step", None)
+    step_ok = step is None or (isinstance(step, int) and not isinstance(step, bool) and step >= 1)
+    if adapter.moe_layers is _qwen_sparse_layers and not step_ok:
+        # transformers builds layer i as MoE where (i + 1) % step == 0: 0 divides by zero
+        raise ModelError(f"{where}: decoder_sparse_step={step!r} must be a positive integer")
     grouped = adapter.model_type == "deepseek_v3" or method == "group_limited_greedy"
     if grouped:
         # transformers views the scores as [T, n_group, N / n_group]: where n_group does not
         # divide N the view mixes neighbouring tokens' scores whenever T N happens to divide
         groups, chosen = getattr(config, "n_group", None), getattr(config, "topk_group", None)
+        # DeepSeek-V3 scores a group by its top 2 experts: groups of one expert fail there
+        least = 2 if adapter.model_type == "deepseek_v3" else 1
         if not (
             isinstance(groups, int)
             and isinstance(chosen, int)
             and groups >= 1
             and n % groups == 0
+            and n // groups >= least
             and 1 <= chosen <= groups
         ):
             raise ModelError(
                 f"{where}: n_group={groups!r} and topk_group={chosen!r} must be integers with "
-                f"n_group dividing the {n} routed experts and 1 <= topk_group <= n_group"
+                f"n_group dividing the {n} routed experts"
+                + (" into groups of at least 2" if least > 1 else "")
+                + " and 1 <= topk_group <= n_group"
             )
     return layers
 

@@ -478,39 +478,49 @@ def profile_model(
                 f"differ from those of the run that started it (both named {info.name!r})"
             )
         writer = TraceWriter(out, meta)
-        # unfinished until the last part is written: a stopped run's parts are refused by
-        # every command but a resume (planner.trace.io.open_trace)
-        write_json_atomic(out / SETTINGS_FILE, settings | {"finished": False})
-        embeddings_path = None
-        if config.save_embeddings:
-            embeddings_path = save_embeddings(model, out / EMBEDDINGS_FILE, dtype, meta)
-        load_seconds = time.perf_counter() - t0
-
-        acc = LoadAccumulator(meta)
-        if done:
-            for done_batch in open_trace(out, unfinished=True).iter_batches():
-                acc.add(done_batch)
-        t0 = time.perf_counter()
         tokens, parts = 0, 0
-        with progress_bar(
-            progress and bool(todo), "profiling", len(todo), unit="prompts"
-        ) as advance:
-            for start in range(0, len(todo), config.prompts_per_part):
-                chunk = todo[start : start + config.prompts_per_part]
-                batch = session.profile(chunk)
-                if batch is not None:
-                    writer.write(batch)
-                    acc.add(batch)
-                    tokens += len(batch)
-                    parts += 1
-                rate = tokens / max(time.perf_counter() - t0, 1e-9)
-                advance(len(chunk), f"{tokens} tokens  {rate:.0f} tok/s")
+
+        def take_back() -> None:
+            """No part written by a fresh run: remove what it wrote (a directory it made
+            is removed by _claim_out_dir), so that a plain retry is not refused as a
+            directory holding an unfinished run."""
+            if parts == 0 and not done:
+                for name in (SETTINGS_FILE, EMBEDDINGS_FILE):
+                    (out / name).unlink(missing_ok=True)
+
+        try:
+            # unfinished until the last part is written: a stopped run's parts are refused
+            # by every command but a resume (planner.trace.io.open_trace)
+            write_json_atomic(out / SETTINGS_FILE, settings | {"finished": False})
+            embeddings_path = None
+            if config.save_embeddings:
+                embeddings_path = save_embeddings(model, out / EMBEDDINGS_FILE, dtype, meta)
+            load_seconds = time.perf_counter() - t0
+
+            acc = LoadAccumulator(meta)
+            if done:
+                for done_batch in open_trace(out, unfinished=True).iter_batches():
+                    acc.add(done_batch)
+            t0 = time.perf_counter()
+            with progress_bar(
+                progress and bool(todo), "profiling", len(todo), unit="prompts"
+            ) as advance:
+                for start in range(0, len(todo), config.prompts_per_part):
+                    chunk = todo[start : start + config.prompts_per_part]
+                    batch = session.profile(chunk)
+                    if batch is not None:
+                        writer.write(batch)
+                        acc.add(batch)
+                        tokens += len(batch)
+                        parts += 1
+                    rate = tokens / max(time.perf_counter() - t0, 1e-9)
+                    advance(len(chunk), f"{tokens} tokens  {rate:.0f} tok/s")
+        except BaseException:  # a failed first forward pass (out of memory, a bad config)
+            take_back()
+            raise
         seconds = time.perf_counter() - t0
         if parts == 0 and not done:
-            # no trace to mark finished: take back what this run wrote (a directory it
-            # made is removed by _claim_out_dir)
-            for name in (SETTINGS_FILE, EMBEDDINGS_FILE):
-                (out / name).unlink(missing_ok=True)
+            take_back()
             raise InputError(
                 f"{prompts_path}: none of the {len(todo)} prompt(s) tokenised to any token, so "
                 "there is nothing to record (check the prompts and the tokenizer)"
@@ -537,8 +547,8 @@ def _claim_out_dir(out: Path, inputs: tuple = ()) -> Iterator[None]:
     """Hold ``out`` while this run writes it: an exclusive lock (``flock``) on the directory,
     made if missing, so that a second ``profile`` into it at the same time is refused
     instead of mixing two runs' parts and settings. The lock ends with the process, so a
-    killed run leaves none behind. A directory this run made is removed if the run fails
-    before writing anything into it. An ``out`` inside one of the run's ``inputs`` (the
+    killed run leaves none behind. A directory this run made (and its parents it made) is
+    removed if the run fails before writing anything into it. An ``out`` inside one of the run's ``inputs`` (the
     model, the prompts), holding one, or inside another moeplan artifact is refused.
     """
     # Refused before any work: the directory could not be made once the model is loaded.
@@ -550,7 +560,7 @@ def _claim_out_dir(out: Path, inputs: tuple = ()) -> Iterator[None]:
         )
     if out.exists() and not out.is_dir():
         raise InputError(f"output {str(out)!r} exists and is not a directory")
-    made = not out.exists()
+    made = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
     out.mkdir(parents=True, exist_ok=True)
     fd = os.open(out, os.O_RDONLY)
     try:
@@ -564,8 +574,10 @@ def _claim_out_dir(out: Path, inputs: tuple = ()) -> Iterator[None]:
         try:
             yield
         except BaseException:
-            if made and not any(out.iterdir()):
-                out.rmdir()
+            for made_dir in made:  # the folders this run made, while they stay empty
+                if any(made_dir.iterdir()):
+                    break
+                made_dir.rmdir()
             raise
     finally:
         os.close(fd)

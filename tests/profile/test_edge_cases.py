@@ -163,6 +163,10 @@ def test_config_field_of_the_wrong_type_is_one_line(model_dirs, prompts, tmp_pat
         ("deepseek_v2", {"n_group": 3, "topk_group": 1}, "n_group=3 and topk_group=1 must be"),
         # an unknown method: UnboundLocalError in the router, a traceback
         ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method='noaux_tc'; DeepSeek-V2's"),
+        # groups of one expert: V3 scores a group by its top 2, a cryptic forward error
+        ("deepseek_v3", {"n_group": 8, "topk_group": 2}, "into groups of at least 2"),
+        # read as step 1 here, a ZeroDivisionError traceback in transformers
+        ("qwen3_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step=0 must be a positive"),
     ],
 )
 def test_router_config_the_model_cannot_run_is_one_line(
@@ -185,15 +189,24 @@ def test_any_failure_of_the_forward_pass_is_one_line(model_dirs, prompts, tmp_pa
         raise ZeroDivisionError("integer division or modulo by zero")
 
     monkeypatch.setattr(modeling_mixtral.MixtralTopKRouter, "forward", broken)
-    out = tmp_path / "t"
+    out = tmp_path / "new" / "t"
+    config = ProfileConfig(save_embeddings=True)
     with pytest.raises(ModelError, match=r"forward pass failed \(integer division or modulo"):
-        profile_model(model_dirs["mixtral"], prompts, out, ProfileConfig(), progress=False)
-    assert not list(out.glob("part-*"))
+        profile_model(model_dirs["mixtral"], prompts, out, config, progress=False)
+    # the run's profile.json and embeddings went with the folders it made: they had been
+    # left as an unfinished run, and a plain retry was refused ("not empty; pass --resume")
+    assert not (tmp_path / "new").exists()
+    monkeypatch.undo()
+    assert profile_model(model_dirs["mixtral"], prompts, out, progress=False).parts_written
 
 
 @pytest.mark.parametrize(
     "changes, message",
-    [({"pad_token_id": 500}, "Padding_idx must be within"), ({"vocab_size": 0}, "")],
+    [
+        ({"pad_token_id": 500}, "Padding_idx must be within"),
+        ({"vocab_size": 0}, ""),
+        ({"num_attention_heads": 0}, ""),  # ZeroDivisionError building the attention
+    ],
 )
 def test_a_config_the_modules_cannot_be_built_from_is_one_line(
     model_dirs, prompts, tmp_path, capsys, changes, message
@@ -350,3 +363,19 @@ def test_a_failed_run_removes_the_directory_it_made(model_dirs, prompts, tmp_pat
         with pytest.raises(ModelError, match="cannot load the model"):
             profile_model(model_dirs["olmoe"], prompts, out, progress=False)
     assert not made.exists() and kept.is_dir()
+
+
+def test_a_config_naming_flash_attention_profiles_with_eager_attention(
+    model_dirs, prompts, tmp_path
+):
+    """A checkpoint saved from a GPU run names flash_attention_2; without the flash-attn
+    package, loading it was an ImportError traceback. Routing does not depend on the
+    attention kernel: eager attention records the same trace."""
+    model = _copy_with_config(
+        model_dirs["mixtral"], tmp_path / "m", _attn_implementation="flash_attention_2"
+    )
+    config = ProfileConfig(max_prompts=3)
+    flash = profile_model(model, prompts, tmp_path / "a", config, progress=False)
+    plain = profile_model(model_dirs["mixtral"], prompts, tmp_path / "b", config, progress=False)
+    a, b = (next(open_trace(r.out_dir).iter_batches()) for r in (flash, plain))
+    np.testing.assert_array_equal(a.experts, b.experts)
