@@ -21,6 +21,9 @@ a clean one. ``profile.json`` next to the parts records the settings a resume mu
 batches. Other batches round the batched matmuls differently, so router weights move in
 their last bits (at most 5e-4 on the example model) and, rarely, a near tie between two
 experts falls the other way: resume with the same batch size for a trace equal bit for bit.
+The same holds for a run stopped by its ``max_prompts`` and resumed with a larger one: the
+resumed chunks start where it stopped, not at multiples of ``prompts_per_part``, so their
+batches hold other prompts than a clean run's.
 """
 
 from __future__ import annotations
