@@ -82,7 +82,14 @@ DEVICES = ("cpu", "cuda")
 # model is loaded.
 _RESUME_KEYS = (
     "model", "model_type", "max_length", "dtype", "add_special_tokens", "prompts_sha256",
+    "transformers",  # its model code defines the router weights recorded (routers.py)
 )  # fmt: skip
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return str(transformers.__version__)
 
 
 @dataclass(frozen=True)
@@ -457,6 +464,7 @@ def profile_model(
         "add_special_tokens": config.add_special_tokens,
         "prompts": str(Path(prompts_path).resolve()),
         "prompts_sha256": sha256_file(prompts_path),
+        "transformers": _transformers_version(),
     }
     with _claim_out_dir(out, inputs=(model_dir, prompts_path)):
         done, before = _prepare_out_dir(out, config.resume, settings)

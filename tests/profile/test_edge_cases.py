@@ -316,6 +316,19 @@ def test_resume_with_another_checkpoint_of_the_same_name_is_refused(model_dirs, 
     assert open_trace(out).request_ids().tolist() == [0, 1, 2, 3, 4]
 
 
+def test_resume_under_another_transformers_is_refused(model_dirs, prompts, tmp_path, monkeypatch):
+    """transformers' model code defines the router weights recorded: a resume under another
+    version mixed parts of both in one trace, whose metadata named the first only."""
+    import planner.profile.runner as runner
+
+    out = tmp_path / "t"
+    profile_model(model_dirs["mixtral"], prompts, out, ProfileConfig(max_prompts=2), progress=False)
+    monkeypatch.setattr(runner, "_transformers_version", lambda: "0.0.1")
+    with pytest.raises(InputError, match=r"other settings .*transformers: '[^']+' -> '0.0.1'"):
+        profile_model(model_dirs["mixtral"], prompts, out, ProfileConfig(resume=True),
+                      progress=False)  # fmt: skip
+
+
 def test_model_that_does_not_fit_the_device_is_one_line(model_dirs, prompts, tmp_path,
                                                         monkeypatch):  # fmt: skip
     from planner.profile.checkpoint import inspect_checkpoint, load_model
