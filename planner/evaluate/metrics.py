@@ -108,10 +108,15 @@ class _Acc:
         self.expert_load = z(big_l, e)
         self.ngram_used = z(big_l)
         # per batch, before the cap: what the runtime sees (the trace-wide figure lets over-
-        # and under-loaded batches cancel); summed and worst over batches, per layer
-        self.batch_imbalance = z(big_l)
+        # and under-loaded batches cancel), per layer: the heaviest device's tokens summed
+        # over batches (over the batches' tokens, x E: the token-weighted mean of max/mean,
+        # so that a last batch of a few tokens weighs a few tokens), and the worst whole
+        # batch's max/mean (a last batch of t < E tokens reads at least E/t; it counts only
+        # where no batch is whole)
+        self.batch_heaviest = z(big_l)
+        self.batch_tokens = 0
         self.batch_imbalance_worst = z(big_l)
-        self.batches = 0
+        self.short_batch_worst = z(big_l)
         self.unknown = 0  # occurrences of id -1: the oracle bound counts each as its own token
         # each (layer, token, routed expert) of the oracle bound, as the fit counts them
         self.oracle_counts = (
@@ -289,10 +294,13 @@ def _evaluate_chunk(
             counts = np.stack([np.bincount(dev[:, i], minlength=e) for i in range(big_l)])
             acc.tokens_on[name] += counts
             if name == "online" and t:
+                acc.batch_heaviest += counts.max(axis=1)
+                acc.batch_tokens += t
                 imb = counts.max(axis=1) * e / t  # max / mean, [L]
-                acc.batch_imbalance += imb
-                acc.batch_imbalance_worst = np.maximum(acc.batch_imbalance_worst, imb)
-                acc.batches += 1
+                if t >= cfg.batch_tokens:
+                    acc.batch_imbalance_worst = np.maximum(acc.batch_imbalance_worst, imb)
+                else:
+                    acc.short_batch_worst = np.maximum(acc.short_batch_worst, imb)
     acc.expert_load += np.stack(
         [np.bincount(expert_device[:, i].ravel(), minlength=e) for i in range(big_l)]
     )
@@ -308,6 +316,9 @@ def _imbalance(load: np.ndarray) -> np.ndarray:
 
 def _report(acc: _Acc, bundle: Bundle, cfg: EvalConfig, k: int, per_device: int) -> dict:
     occ = acc.occurrences * k
+    e = bundle.ep_size
+    whole = acc.batch_tokens >= cfg.batch_tokens  # some batch was whole
+    worst = acc.batch_imbalance_worst if whole else acc.short_batch_worst
     # [L, 2] (hosted, total): per token its top-(N/E) expert counts; NaN reports as None
     oracle = np.full((occ.shape[0], 2), np.nan)
     if acc.oracle_counts is not None:
@@ -333,7 +344,9 @@ def _report(acc: _Acc, bundle: Bundle, cfg: EvalConfig, k: int, per_device: int)
         "token_imbalance": _imbalance(acc.tokens_on["online"]),
         "token_imbalance_balanced": _imbalance(acc.tokens_on["balanced"]),
         "expert_load_imbalance": _imbalance(acc.expert_load),
-        "token_imbalance_batch": acc.batch_imbalance / acc.batches if acc.batches else nan_l,
+        "token_imbalance_batch": (
+            acc.batch_heaviest * e / acc.batch_tokens if acc.batch_tokens else nan_l
+        ),
     }
     cols = {
         name: np.where(den > 0, num / np.maximum(den, 1e-12), np.nan)
@@ -359,9 +372,7 @@ def _report(acc: _Acc, bundle: Bundle, cfg: EvalConfig, k: int, per_device: int)
         **{name: pooled(num, den) for name, (num, den) in ratios.items()},
         **{name: _nanmean(v) for name, v in imbalances.items()},
         "token_imbalance_batch_worst": (
-            _num(acc.batch_imbalance_worst.max())
-            if acc.batches and acc.batch_imbalance_worst.size
-            else None
+            _num(worst.max()) if acc.batch_tokens and worst.size else None
         ),
         "remote_activations": int(remote_b),
         "remote_activations_vanilla": int(remote_v),

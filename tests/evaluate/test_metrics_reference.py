@@ -172,9 +172,9 @@ def _reference(bundle: Bundle, rows: TraceBatch, cfg: EvalConfig) -> dict:
                 second[t][layer], second_conf[t][layer] = other, other_conf
 
     # balanced: consecutive blocks of B rows, each layer capped on its own; each block's
-    # token imbalance before the cap (max / mean), per layer
+    # heaviest device before the cap and its size, per layer
     balanced = [[0] * big_l for _ in range(t_all)]
-    block_imbalance: list[list[float]] = [[] for _ in range(big_l)]
+    block_heaviest: list[list[tuple[int, int]]] = [[] for _ in range(big_l)]
     for start in range(0, t_all, cfg.batch_tokens):
         idx = list(range(start, min(start + cfg.batch_tokens, t_all)))
         cap = _cap(len(idx), ep, cfg.slack)
@@ -182,7 +182,7 @@ def _reference(bundle: Bundle, rows: TraceBatch, cfg: EvalConfig) -> dict:
             sent = [0] * ep
             for i in idx:
                 sent[choice[i][layer]] += 1
-            block_imbalance[layer].append(max(sent) / (len(idx) / ep))
+            block_heaviest[layer].append((max(sent), len(idx)))
             got = _assign_reference(
                 [choice[i][layer] for i in idx], [conf[i][layer] for i in idx],
                 [second[i][layer] for i in idx], [second_conf[i][layer] for i in idx], cap, ep,
@@ -261,8 +261,12 @@ def _reference(bundle: Bundle, rows: TraceBatch, cfg: EvalConfig) -> dict:
         row["token_imbalance"] = imbalance(tokens_on["online"][layer])
         row["token_imbalance_balanced"] = imbalance(tokens_on["balanced"][layer])
         row["expert_load_imbalance"] = imbalance(expert_load[layer])
-        blocks = block_imbalance[layer]
-        row["token_imbalance_batch"] = sum(blocks) / len(blocks) if blocks else None
+        # max / mean per batch, weighted by the batch's tokens (a last batch of 1 token
+        # reads E and had weighed as much as a whole one)
+        blocks = block_heaviest[layer]
+        row["token_imbalance_batch"] = (
+            sum(h for h, _ in blocks) * ep / sum(t for _, t in blocks) if blocks else None
+        )
         per_layer.append(row)
     overall = {
         name: (sum(num) / sum(den) if sum(den) else None) for name, (num, den) in ratios.items()
@@ -270,9 +274,13 @@ def _reference(bundle: Bundle, rows: TraceBatch, cfg: EvalConfig) -> dict:
     for name in IMBALANCES:
         values = [r[name] for r in per_layer if r[name] is not None]
         overall[name] = sum(values) / len(values) if values else None
+    # the worst whole batch (a short last one only where no batch is whole)
+    whole = t_all >= cfg.batch_tokens
     overall["token_imbalance_batch_worst"] = max(
-        (v for blocks in block_imbalance for v in blocks), default=None
-    )
+        (h * ep / t for blocks in block_heaviest for h, t in blocks
+         if t == cfg.batch_tokens or not whole),
+        default=None,
+    )  # fmt: skip
     wire = cfg.hidden_size * cfg.dtype_bytes * 2  # dispatch and combine
     overall["tokens"] = t_all
     overall["remote_activations"] = sum(remote["balanced"])
@@ -373,6 +381,23 @@ def test_a_trace_in_parts_is_one_trace_order(tmp_path):
     ref = _reference(bundle, batch, cfg)
     _assert_same(report, ref)
     assert ref["overall"]["all_to_all_bytes"] is None  # hidden_size 0: activations only
+
+
+def test_a_short_last_batch_weighs_its_tokens_in_the_batch_imbalance(tmp_path):
+    """Each batch's max/mean weighed the same: a last batch of one token reads E (its one
+    token on one device), so one row past a whole batch took the mean from 1.65 to 4.74 and
+    the worst to E at E = 8, whatever the plan."""
+    meta = TraceMeta("test/ref", num_layers=2, num_experts=8, top_k=2, vocab_size=12)
+    batch = _case_rows(meta, 65, 3, interleave=False, unknown=0.0)
+    bundle = _random_bundle(meta, 8, 1, 3)
+    cfg = EvalConfig(batch_tokens=32)
+    figures = []
+    for rows in (64, 65):
+        path = write_trace(tmp_path / f"t{rows}.parquet", meta, batch.select(slice(0, rows)))
+        figures.append(evaluate_bundle(bundle, open_trace(path), cfg)["overall"])
+    whole, one_more = figures
+    assert one_more["token_imbalance_batch_worst"] == whole["token_imbalance_batch_worst"] < 8
+    assert one_more["token_imbalance_batch"] < whole["token_imbalance_batch"] * 1.1
 
 
 def test_capacity_rule_matches_the_reference():
