@@ -150,7 +150,15 @@ def check_group_preserving(
         n_group: number of contiguous expert groups of the router (N divisible by it).
         layers: model layer index of each row, for the message.
     """
-    perm = np.asarray(expert_permutation, dtype=np.int64)
+    perm = np.asarray(expert_permutation)
+    if perm.ndim != 2 or perm.dtype.kind not in "iu":
+        raise InputError(
+            f"expert_permutation must be an integer [L, N] array, got {perm.dtype} "
+            f"{list(perm.shape)}"
+        )
+    perm = perm.astype(np.int64)
+    if not is_integer(n_group) or n_group < 1:
+        raise InputError(f"n_group={n_group!r} must be a positive integer")
     big_l, n = perm.shape
     if n % n_group:
         raise InputError(f"num_experts={n} is not divisible by n_group={n_group}")

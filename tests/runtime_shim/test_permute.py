@@ -182,6 +182,14 @@ def test_check_group_preserving_accepts_group_moves():
     check_group_preserving(np.array([[6, 7, 1, 0, 2, 3, 5, 4]]), n_group=4)
     with pytest.raises(InputError, match="not divisible"):
         check_group_preserving(np.array([[0, 1, 2]]), n_group=2)
+    # a ZeroDivisionError and a ValueError from unpacking the shape, before
+    for perm, groups, message in (
+        ([[0, 1]], 0, "n_group=0 must be a positive integer"),
+        ([0, 1], 2, r"integer \[L, N\] array, got int64 \[2\]"),
+        ([[0.5, 1]], 2, "integer"),
+    ):
+        with pytest.raises(InputError, match=message):
+            check_group_preserving(np.array(perm), n_group=groups)
 
 
 @pytest.fixture(scope="module")
