@@ -95,9 +95,10 @@ def assign_tokens(
     ``_EXACT_ENTRIES`` token x device entries, where heavy tokens make the greedy's
     integrality losses large) are solved exactly by a 0-1 program instead; if no assignment
     fits the capacities, by the same program with each token heavier than a device's room
-    allowed to fill that device alone (:func:`heavy_fill_loads`), then with one maximal token
-    of slack on every device (the ILP solver falls back alike), and if none fits that either,
-    the steps above apply (with the overflow rule).
+    allowed to fill that device alone (:func:`heavy_fill_loads`), then under the heaviest load
+    the steps above reach, then with one maximal token of slack on every device (the ILP
+    solver falls back alike), and if none fits that either, the steps above apply (with the
+    overflow rule).
     """
     gain = np.asarray(gain, dtype=np.float64)
     freq = np.asarray(freq, dtype=np.float64)
@@ -151,8 +152,18 @@ def _assign_tokens(
             # fallback too, planner.solve.ilp)
             solved = _assign_exact(gain[busy], freq[busy], room, heavy_fill=True)
         if solved is None:
-            # none fits still: allow one maximal token above the cap, the slack rule of
-            # planner.solve.problem and the ILP's last fallback
+            # none fits still: the heaviest load the steps below reach, a cap some assignment
+            # meets (the ILP's start_load): the slack rule's alone had let a device go to
+            # 86 where the greedy kept every device within 52 (cap 50.5)
+            greedy = _assign_tokens(gain, freq, capacity, prices, sweeps, False, effort)
+            reached = float(
+                np.bincount(greedy.token_to_device[busy], weights=freq[busy], minlength=e).max()
+            )
+            if reached < float((room + freq[busy].max()).min()):
+                solved = _assign_exact(gain[busy], freq[busy], np.maximum(room, reached))
+        if solved is None:
+            # then one maximal token above the cap, the slack rule of planner.solve.problem
+            # and the ILP's last fallback
             solved = _assign_exact(gain[busy], freq[busy], room + freq[busy].max())
         if solved is not None:
             token_to_device[busy] = solved

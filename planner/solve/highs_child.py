@@ -87,7 +87,9 @@ def main(model: str, options: str, start: str, out_dir: str) -> int:
         status=int(h.getModelStatus()),
         objective=float(h.getObjectiveValue()),
         bound=float(h.getInfo().mip_dual_bound),
-        valid=bool(solution.value_valid),
+        # a feasible point, not merely values: stopped at its time limit, HiGHS hands back
+        # a start it rejected (one that breaks the cap) with value_valid set
+        valid=int(h.getInfo().primal_solution_status) == 2,
     )
     return 0
 

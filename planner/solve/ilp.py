@@ -160,9 +160,14 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     solve_started = time.perf_counter()
     with native_stdout(bool(opts["msg"])):
         prog.solve(solver)
-    status = _status(prog)
+    status = _checked_status(prog, sub, y_vars, capacity)
     token_rule = "cap"
-    if status == "infeasible" and sub.balance == "cap":
+    # no point found in time while the start breaks the cap (the shared assignment could not
+    # meet it either): as if infeasible, the fallbacks start from a point they admit
+    unproven = (
+        status == "no solution" and start is not None and _over_cap(sub, start[1], capacity, False)
+    )
+    if (status == "infeasible" or unproven) and sub.balance == "cap":
         # tokens are indivisible: first let a token heavier than the cap fill a device alone,
         # then allow one maximal token above the cap on every device (the slack rule of
         # planner.solve.problem), rather than give up; planner.solve.assign falls back alike
@@ -188,7 +193,7 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
             solver.timeLimit = max(solve_started + time_limit - time.perf_counter(), 1.0)
             with native_stdout(bool(opts["msg"])):
                 prog.solve(solver)
-            status = _status(prog)
+            status = _checked_status(prog, sub, y_vars, capacity, heavy_fill)
             if status != "infeasible":
                 break
     over = time.perf_counter() - solve_started - time_limit
@@ -227,7 +232,7 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
         "tokens_in_program": int(keep.size),
         "tokens": int(problem.num_tokens),
         "program_objective": math.ldexp(float(pulp.value(prog.objective) or 0.0), -shift),
-        "bound": None if bound is None else math.ldexp(bound, -shift),
+        "bound": _reported_bound(sub, bound, shift),
         "symmetry_breaking": bool(opts["symmetry_breaking"]),
         "time_limit": time_limit,
         "start": start is not None,
@@ -531,9 +536,10 @@ class _CbcWithDeadline(pulp.PULP_CBC_CMD):
                 self.tmpDir = tmp
                 try:
                     return super().actualSolve(lp, **kwargs)
-                except pulp.PulpSolverError:
-                    if not self.stopped:
-                        raise
+                except pulp.PulpSolverError as e:
+                    if not self.stopped:  # CBC failed (a time limit too short to start)
+                        first = (str(e).splitlines() or [""])[0]
+                        raise InfeasibleError(f"ilp: the CBC process failed ({first})") from None
         finally:
             self.tmpDir = saved_dir
         # killed at the deadline: the variables still hold the start, if one was given
@@ -581,6 +587,33 @@ def _status(prog: pulp.LpProblem) -> str:
     if prog.sol_status == pulp.LpSolutionIntegerFeasible and values and values[0] is not None:
         return "feasible (time limit)"
     return "no solution"
+
+
+def _reported_bound(sub: LayerProblem, bound: float | None, shift: int) -> float | None:
+    """The solver's proven bound on the program's objective, in activations; in cap mode
+    at most the program's total activations (where no root LP finished, HiGHS's bound is
+    the sum of every objective coefficient: 13334 of 1892 activations)."""
+    if bound is None:
+        return None
+    value = math.ldexp(bound, -shift)
+    return min(value, float(sub.affinity.sum())) if sub.balance == "cap" else value
+
+
+def _checked_status(
+    prog: pulp.LpProblem,
+    sub: LayerProblem,
+    y_vars: list[dict[int, pulp.LpVariable]],
+    capacity: float,
+    heavy_fill: bool = False,
+) -> str:
+    """:func:`_status`, where a point found at the time limit (or the start a killed
+    solver left in the variables) that breaks the program's token cap counts as none: a
+    solver stopped early can hand back a start it rejected."""
+    status = _status(prog)
+    if status != "feasible (time limit)" or sub.balance != "cap" or not y_vars:
+        return status
+    t = np.array([_argmax_var(y) for y in y_vars], dtype=np.int64)
+    return "no solution" if _over_cap(sub, t, capacity, heavy_fill) else status
 
 
 def _bound(prog: pulp.LpProblem, solver) -> float | None:

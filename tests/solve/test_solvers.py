@@ -542,6 +542,33 @@ def test_ilp_where_the_cap_cannot_be_met_keeps_the_balance_the_others_reach() ->
     assert heaviest(p) <= heaviest(km) and p.objective >= km.objective - 1e-6
 
 
+def test_ilp_stopped_at_its_limit_never_reports_a_start_that_breaks_the_cap() -> None:
+    """HiGHS stopped at its time limit handed back the start it had rejected (the shared
+    assignment, which broke the unmeetable cap 100.25 with a device of 101) flagged as
+    values: the ILP called it "feasible (time limit)" under token_rule "cap", and blamed the
+    solver's tolerances. The fallbacks now run; whatever stops the solve, the placement
+    keeps to the cap the info reports."""
+    base = random_problem(401, 16, 4, top_k=4, seed=3, noise=0.3)
+    problem = LayerProblem(base.affinity, np.ones(401), 4, beta=1.0)  # cap 100.25
+    for limit in (0.05, 0.5):
+        p = solve_layer(problem, "ilp", SolverConfig(seed=0, time_limit=limit))
+        heaviest = np.bincount(p.token_to_device, minlength=4).max()
+        assert heaviest <= p.info["token_cap"] * (1 + 1e-9), (limit, p.info)
+        assert p.info["token_rule"] != "cap" and "note" not in p.info
+        assert p.info["bound"] is None or p.info["bound"] <= base.affinity.sum() + 1e-9
+
+
+def test_ilp_with_cbc_failing_to_start_is_one_error() -> None:
+    """CBC given a time limit too short to start exits with an error: a raw
+    PulpSolverError (a traceback from the CLI), not the ILP's InfeasibleError."""
+    p = random_problem(6, 4, 2, seed=1)
+    config = SolverConfig(time_limit=1e-3, options={"ilp": {"solver": "cbc"}})
+    try:
+        solve_layer(p, "ilp", config).validate(p)  # a machine where CBC starts in time
+    except InfeasibleError as e:
+        assert str(e).startswith("ilp: ") and "\n" not in str(e)
+
+
 def test_alternating_swap_refinement_ends_where_no_swap_helps() -> None:
     """Sem-MoE's swap refinement ran 200 random single-expert trials, about a tenth of the
     swap pairs at 64 experts on 16 devices, and stopped far from where its own score stops
