@@ -88,9 +88,14 @@ class TokenExpertAffinity:
             (row sums / k, averaged over layers and rounded, at least 1 for a seen token;
             exact for traces).
         seen_: [V] bool, token has counts at some layer.
-        global_topk_: [L, k] int16 the layer's most popular experts, most popular first.
-        global_top1_: [L] int16 the layer's most frequent rank-0 expert.
-        load_: [L, N] int64 routed activations of each expert.
+        global_topk_: [L, k] int16 the layer's most popular experts, most popular first
+            (by every routed activation, the unknown tokens' too).
+        global_top1_: [L] int16 the layer's most frequent rank-0 expert (the same).
+        load_: [L, N] int64 routed activations of each expert by known tokens.
+        unknown_load_, unknown_top1_load_: [L, N] int64 activations (all ranks, rank 0) of
+            the fitting data's unknown tokens (id -1), which have no counts row; zero for
+            counts tables. The layer's ranking of experts counts them (a trace mostly of
+            unknown tokens had its fallback follow the few known ones).
         nearest_known_: [V] int32 row each token's prediction is read from: itself when
             seen, the nearest seen token by cosine similarity of embeddings when unseen and
             embeddings were given, -1 (global fallback) otherwise.
@@ -103,9 +108,15 @@ class TokenExpertAffinity:
     # -- fitting --------------------------------------------------------------------------
 
     def fit(
-        self, counts: TokenExpertCounts, embeddings: np.ndarray | None = None
+        self,
+        counts: TokenExpertCounts,
+        embeddings: np.ndarray | None = None,
+        unknown_load: np.ndarray | None = None,
+        unknown_top1_load: np.ndarray | None = None,
     ) -> TokenExpertAffinity:
-        """Learn the tables from ``counts``; ``embeddings`` [V, d] enables the cosine fallback."""
+        """Learn the tables from ``counts``; ``embeddings`` [V, d] enables the cosine
+        fallback; ``unknown_load`` and ``unknown_top1_load`` [L, N]: the unknown tokens'
+        activations (all ranks, rank 0), which count in the layer's ranking of experts."""
         threshold = self.confident_threshold
         if not is_real(threshold):
             raise InputError(f"confident_threshold={threshold!r} is not a number")
@@ -124,11 +135,14 @@ class TokenExpertAffinity:
         occurrences = np.rint(activations.mean(axis=0) / m.top_k).astype(np.int64)
         self.token_counts_ = np.where(self.seen_, np.maximum(occurrences, 1), 0)
         self.load_ = counts.load()
+        self.unknown_load_ = _layer_loads(unknown_load, m, "unknown_load")
+        self.unknown_top1_load_ = _layer_loads(unknown_top1_load, m, "unknown_top1_load")
         self.global_topk_ = np.stack(
-            [_rank_experts(load)[: m.top_k] for load in self.load_]
+            [_rank_experts(load)[: m.top_k] for load in self.rank_load]
         ).astype(np.int16)
         if self.top1_counts_ is not None:
             top1_load = np.stack([np.asarray(c.sum(axis=0)).ravel() for c in self.top1_counts_])
+            top1_load = top1_load + self.unknown_top1_load_
             self.global_top1_ = np.array([_rank_experts(x)[0] for x in top1_load], np.int16)
         else:
             self.global_top1_ = self.global_topk_[:, 0].copy()
@@ -142,6 +156,12 @@ class TokenExpertAffinity:
         self._tables: dict[int, _LayerTables] = {}
         return self
 
+    @property
+    def rank_load(self) -> np.ndarray:
+        """[L, N] every routed activation of each expert (known and unknown tokens'): what
+        the layer's ranking of experts follows."""
+        return self.load_ + self.unknown_load_
+
     @classmethod
     def from_fitted(
         cls,
@@ -151,10 +171,14 @@ class TokenExpertAffinity:
         nearest_known: np.ndarray,
         fallback: str,
         confident_threshold: float,
+        unknown_load: np.ndarray | None = None,
+        unknown_top1_load: np.ndarray | None = None,
     ) -> TokenExpertAffinity:
         """Rebuild a fitted table from saved state (see :meth:`to_tensors`)."""
         fitted = TokenExpertCounts(meta, counts, top1_by_layer=top1_counts)
-        self = cls(confident_threshold=confident_threshold).fit(fitted)
+        self = cls(confident_threshold=confident_threshold).fit(
+            fitted, unknown_load=unknown_load, unknown_top1_load=unknown_top1_load
+        )
         nearest_known = np.asarray(nearest_known, np.int32)
         if nearest_known.shape != (meta.vocab_size,):
             raise SchemaError(
@@ -322,8 +346,9 @@ class TokenExpertAffinity:
         v, n, k = m.vocab_size, m.num_experts, m.top_k
         t = self.counts_[layer]
         load = self.load_[layer]
+        ranked = _rank_experts(self.rank_load[layer])
         rank_of_expert = np.empty(n, np.int64)
-        rank_of_expert[_rank_experts(load)] = np.arange(n)
+        rank_of_expert[ranked] = np.arange(n)
 
         rows = np.repeat(np.arange(v, dtype=np.int64), np.diff(t.indptr))
         cols = t.indices.astype(np.int64)
@@ -339,7 +364,7 @@ class TokenExpertAffinity:
         keep = slot < k
         own = np.full((v, k), -1, np.int64)
         own[rows_s[keep], slot[keep]] = cols_s[keep]
-        own = _fill_from_global(own, _rank_experts(load), self.seen_)
+        own = _fill_from_global(own, ranked, self.seen_)
         # Rank-0 prediction: the most frequent rank-0 expert, else the set's first.
         own_top1 = own[:, 0].copy()
         if self.top1_counts_ is not None:
@@ -392,6 +417,9 @@ class TokenExpertAffinity:
         if self.top1_counts_ is not None:
             out |= _pack_csr(self.top1_counts_, "top1_")
         out["nearest_known"] = self.nearest_known_.astype(np.int32)
+        if self.unknown_load_.any():  # (written only where there were unknown tokens)
+            out["unknown_load"] = self.unknown_load_
+            out["unknown_top1_load"] = self.unknown_top1_load_
         return out
 
     @classmethod
@@ -412,8 +440,24 @@ class TokenExpertAffinity:
         counts = _unpack_csr(tensors, "", meta)
         top1 = _unpack_csr(tensors, "top1_", meta) if "top1_indptr" in tensors else None
         return cls.from_fitted(
-            meta, counts, top1, tensors["nearest_known"], fallback, confident_threshold
+            meta, counts, top1, tensors["nearest_known"], fallback, confident_threshold,
+            unknown_load=tensors.get("unknown_load"),
+            unknown_top1_load=tensors.get("unknown_top1_load"),
+        )  # fmt: skip
+
+
+def _layer_loads(loads: np.ndarray | None, meta: TraceMeta, name: str) -> np.ndarray:
+    """``loads`` as [L, N] int64 of non-negative counts (zeros for None), else SchemaError."""
+    shape = (meta.num_layers, meta.num_experts)
+    if loads is None:
+        return np.zeros(shape, np.int64)
+    arr = np.asarray(loads)
+    if arr.shape != shape or arr.dtype.kind not in "iu" or (arr < 0).any():
+        raise SchemaError(
+            f"affinity {name} must be [L, N] = {list(shape)} non-negative integers, got "
+            f"{arr.dtype} {list(arr.shape)}"
         )
+    return arr.astype(np.int64)
 
 
 def token_id_array(token_ids, vocab_size: int) -> np.ndarray:

@@ -150,16 +150,22 @@ def fit_predictor(path: str | Path, config: FitConfig = FitConfig()) -> FitResul
 
 
 def _fit_components(
-    counts: TokenExpertCounts, config: FitConfig, fingerprint: str | None = None
+    counts: TokenExpertCounts,
+    config: FitConfig,
+    fingerprint: str | None = None,
+    unknown: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[TokenExpertAffinity, NeuralPredictor | None, dict]:
-    """``fingerprint``: refuse embeddings that record another model's (traces)."""
+    """``fingerprint``: refuse embeddings that record another model's (traces); ``unknown``:
+    the unknown tokens' activations (all ranks, rank 0) [L, N] each (traces)."""
     emb = (
         load_embeddings(config.embeddings, counts.meta.vocab_size, fingerprint)
         if config.embeddings
         else None
     )
     t0 = time.perf_counter()
-    affinity = TokenExpertAffinity(confident_threshold=config.confident_threshold).fit(counts, emb)
+    affinity = TokenExpertAffinity(confident_threshold=config.confident_threshold).fit(
+        counts, emb, *(unknown if unknown is not None else (None, None))
+    )
     timings = {
         "affinity_seconds": round(time.perf_counter() - t0, 3),
         "embeddings": None if config.embeddings is None else str(config.embeddings),
@@ -200,6 +206,7 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
     transitions = TransitionAccumulator(meta.num_layers, meta.num_experts, config.ngram_routed)
     batches = BatchMixAccumulator(meta.vocab_size, config.batch_tokens)
     unknown_load = np.zeros((meta.num_layers, meta.num_experts), np.int64)
+    unknown_top1 = np.zeros((meta.num_layers, meta.num_experts), np.int64)
     # Per-batch loads only for a moving average: the MLE is the counts' column sums.
     ema = config.distribution_momentum is not None
     distribution = DistributionPredictor(config.distribution_momentum)
@@ -224,8 +231,9 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
             if ema:
                 distribution.partial_fit(batch_load(batch.experts, meta.num_experts))
             unknown = batch.token_id < 0
-            if unknown.any() and not ema:
+            if unknown.any():  # (the experts are ordered by gate weight: rank 0 first)
                 unknown_load += batch_load(batch.experts[unknown], meta.num_experts)
+                unknown_top1 += batch_load(batch.experts[unknown][:, :, :1], meta.num_experts)
     counts = acc.result()
     trans = transitions.result()
     pass_seconds = time.perf_counter() - t0
@@ -233,7 +241,9 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
         raise InputError(f"{path}: no token occurrences to fit on")
     if not ema:  # the exact MLE over the fitting rows, unknown tokens included
         distribution.partial_fit(counts.load() + unknown_load)
-    affinity, neural, timings = _fit_components(counts, config, meta.fingerprint())
+    affinity, neural, timings = _fit_components(
+        counts, config, meta.fingerprint(), (unknown_load, unknown_top1)
+    )
     shrinkage = None
     if fold_acc is not None:
         fold_b = fold_acc.result().by_layer

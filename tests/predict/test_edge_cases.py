@@ -441,3 +441,33 @@ def test_a_path_for_the_embeddings_reaches_the_saved_predictor(tmp_path, exact_t
     np.save(emb, np.random.default_rng(0).normal(size=(gen.config.vocab_size, 4)))
     fit_predictor(path, FitConfig(embeddings=emb, progress=False)).predictor.save(tmp_path / "p")
     assert load_predictor(tmp_path / "p").fit_info["embeddings"] == str(emb)
+
+
+def test_the_fallback_ranks_experts_by_the_unknown_tokens_routing_too(tmp_path):
+    """The layer's most popular experts (the fallback of unknown and unseen tokens) came from
+    the known tokens' counts only: a trace of 196 unknown occurrences routed to experts 6 and
+    7 and 4 known ones routed to 0 and 1 predicted 0 and 1 for every unknown token (held-out
+    precision 0 where 6 and 7 give 1)."""
+    from planner.trace import TraceBatch, TraceMeta
+    from planner.trace.io import write_trace
+
+    meta = TraceMeta(model="test/unk", num_layers=2, num_experts=8, top_k=2, vocab_size=50,
+                     moe_layer_indices=(0, 1), source="tests")  # fmt: skip
+    rows = 400
+    request = np.repeat(np.arange(8), rows // 8)
+    position = np.tile(np.arange(rows // 8), 8).astype(np.int32)
+    experts = np.broadcast_to(np.array([6, 7]), (rows, 2, 2)).copy()
+    weights = np.broadcast_to(np.array([0.6, 0.4]), (rows, 2, 2))
+    token = np.full(rows, -1)
+    token[::50], experts[::50] = 3, [0, 1]  # one known occurrence a request
+    path = write_trace(tmp_path / "t.parquet", meta,
+                       TraceBatch.from_arrays(request, position, token, experts, weights))  # fmt: skip
+    result = fit_predictor(path, FitConfig(holdout=0.5, seed=1, progress=False))
+    affinity = result.predictor.affinity
+    assert affinity.global_topk_.tolist() == [[6, 7], [6, 7]]
+    assert affinity.global_top1_.tolist() == [6, 6]
+    assert affinity.predict_topk(np.array([-1, 10]), 0).tolist() == [[6, 7], [6, 7]]
+    assert result.report["table"]["unseen"]["precision"]["overall"] == 1.0
+    result.predictor.save(tmp_path / "p")
+    back = load_predictor(tmp_path / "p").affinity
+    assert back.global_topk_.tolist() == [[6, 7], [6, 7]] and back.global_top1_.tolist() == [6, 6]
