@@ -397,6 +397,10 @@ def _option_problem(value: Any, kind: str) -> str | None:
         want = f"an integer >= {least}"
     elif kind == "number":
         ok, want = _is_number(value), "a number >= 0"
+    elif kind == "number+":
+        ok, want = _is_number(value) and value > 0, "a number > 0"
+    elif kind == "share":
+        ok, want = _is_number(value) and value <= 1, "a number in [0, 1]"
     else:  # numbers
         items = value if isinstance(value, list | tuple) else [value]
         ok = bool(items) and all(_is_number(v) for v in items)

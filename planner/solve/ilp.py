@@ -110,7 +110,11 @@ DEFAULTS: dict[str, object] = {
     "start": True,  # hand the solver a feasible placement to start from (module doc)
     "presolve": False,  # HiGHS's presolve (module doc: off proves the same optima faster)
 }
-KINDS = {"max_variables": "count+", "lp_path": "text?"}  # see common.check_options
+KINDS = {
+    "max_variables": "count+",
+    "lp_path": "text?",
+    "gap_rel": "share",
+}  # see common.check_options
 DEFAULT_TIME_LIMIT = 60.0
 # Largest ``max_variables`` accepted: PuLP holds about 2 KB per z-variable while it builds the
 # program (512k took 1.2 GB and 14 s on the reference machine, before HiGHS starts and

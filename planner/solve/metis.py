@@ -48,7 +48,7 @@ DEFAULTS: dict[str, object] = {
     "ncuts": 1,  # METIS seeds per setting (seed, seed+1, ...)
     "edge_scale": None,  # multiply W by this before rounding (None: median nonzero -> 100)
 }
-KINDS = {"ncuts": "count+", "edge_scale": "number?"}  # see common.check_options
+KINDS = {"ncuts": "count+", "edge_scale": "number+?"}  # see common.check_options
 # METIS sums integer weights in 32 bits; keep totals well inside.
 _MAX_TOTAL_WEIGHT = 2**30
 # Largest option values taken: METIS's integers are 64-bit (a larger ufactor or seed is a

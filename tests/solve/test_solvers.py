@@ -244,6 +244,10 @@ def test_ceo_budget_must_be_a_number(bad: dict, small_problem: LayerProblem) -> 
         ("ceo", {"samples": -1}, "samples=-1 must be an integer >= 1 or null"),
         ("ceo", {"local_search": "yes"}, "local_search='yes' must be true or false"),
         ("ilp", {"lp_path": 3}, "lp_path=3 must be a string or null"),
+        # a gap of 2 stopped the ILP at once and called its start optimal; a scale of 0 made
+        # every edge weight 1
+        ("ilp", {"gap_rel": 2}, "gap_rel=2 must be a number in \\[0, 1\\]"),
+        ("metis", {"edge_scale": 0}, "edge_scale=0 must be a number > 0 or null"),
         ("alternating", {"w_token": None}, "w_token=None must not be null"),
     ],
 )
