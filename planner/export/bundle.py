@@ -53,7 +53,7 @@ from planner._checks import is_integer, is_plain_int
 from planner._io import atomic_path, check_output, read_json_object, sha256_file
 from planner._safetensors import write_errors_as_oserror
 from planner.errors import InputError, MismatchError, SchemaError
-from planner.trace.schema import COUNTS_SOURCE, TraceMeta
+from planner.trace.schema import TraceMeta
 
 FORMAT = "moeplan-bundle"
 FORMAT_VERSION = 1
@@ -873,8 +873,7 @@ def _engine_file_problems(
                 "the plan again"
             )
             continue
-        idx = meta.moe_layer_indices
-        rows = max(idx) + 1
+        rows = None
         if fmt.name == "sglang":
             try:
                 rows = len(json.loads(file.read_text())["physical_to_logical_map"])
@@ -882,10 +881,9 @@ def _engine_file_problems(
                 problems.append(f"{fmt.filename} is not an SGLang expert-location file")
                 continue
         try:
-            placement = EnginePlacement(
-                tables["expert_permutation"], manifest["ep_size"], idx, rows,
-                unplanned_gaps=meta.source.startswith(COUNTS_SOURCE),
-            )  # fmt: skip
+            placement = EnginePlacement.from_tables(
+                tables["expert_permutation"], manifest["ep_size"], meta, rows
+            )
             same = fmt.render(placement).encode() == file.read_bytes()
         except (InputError, SchemaError) as e:
             problems.append(f"{fmt.filename} cannot be rendered from the tables ({e})")

@@ -80,7 +80,7 @@ from planner._checks import is_integer
 from planner._io import write_bytes_atomic
 from planner.errors import InputError, SchemaError
 from planner.export.bundle import Bundle, permutation_from_placement
-from planner.trace.schema import COUNTS_SOURCE
+from planner.trace.schema import COUNTS_SOURCE, TraceMeta
 
 # Guard against absurd model depths (SGLang's file has a row of N ids per model layer).
 MAX_MODEL_LAYERS = 4096
@@ -172,14 +172,27 @@ class EnginePlacement:
 
     @classmethod
     def from_bundle(cls, bundle: Bundle, num_model_layers: int | None = None) -> EnginePlacement:
-        idx = bundle.meta.moe_layer_indices
+        return cls.from_tables(
+            bundle.expert_permutation, bundle.ep_size, bundle.meta, num_model_layers
+        )
+
+    @classmethod
+    def from_tables(
+        cls,
+        expert_permutation: np.ndarray,
+        ep_size: int,
+        meta: TraceMeta,
+        num_model_layers: int | None = None,
+    ) -> EnginePlacement:
+        """A bundle's placement from its permutation table and model (``meta``)."""
+        idx = meta.moe_layer_indices
         return cls(
-            bundle.expert_permutation,
-            bundle.ep_size,
+            expert_permutation,
+            ep_size,
             idx,
             num_model_layers if num_model_layers is not None else max(idx) + 1,
             # a profiled trace names every MoE layer of the model; a counts table some
-            unplanned_gaps=bundle.meta.source.startswith(COUNTS_SOURCE),
+            unplanned_gaps=meta.source.startswith(COUNTS_SOURCE),
             model_layers_given=num_model_layers is not None,
         )
 

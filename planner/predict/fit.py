@@ -153,10 +153,12 @@ def _fit_components(
     counts: TokenExpertCounts,
     config: FitConfig,
     fingerprint: str | None = None,
-    unknown: tuple[np.ndarray, np.ndarray] | None = None,
+    unknown_load: np.ndarray | None = None,
+    unknown_top1_load: np.ndarray | None = None,
 ) -> tuple[TokenExpertAffinity, NeuralPredictor | None, dict]:
-    """``fingerprint``: refuse embeddings that record another model's (traces); ``unknown``:
-    the unknown tokens' activations (all ranks, rank 0) [L, N] each (traces)."""
+    """``fingerprint``: refuse embeddings that record another model's (traces);
+    ``unknown_load``, ``unknown_top1_load``: the unknown tokens' activations (all ranks,
+    rank 0) [L, N] (traces)."""
     emb = (
         load_embeddings(config.embeddings, counts.meta.vocab_size, fingerprint)
         if config.embeddings
@@ -164,7 +166,7 @@ def _fit_components(
     )
     t0 = time.perf_counter()
     affinity = TokenExpertAffinity(confident_threshold=config.confident_threshold).fit(
-        counts, emb, *(unknown if unknown is not None else (None, None))
+        counts, emb, unknown_load, unknown_top1_load
     )
     timings = {
         "affinity_seconds": round(time.perf_counter() - t0, 3),
@@ -242,7 +244,7 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
     if not ema:  # the exact MLE over the fitting rows, unknown tokens included
         distribution.partial_fit(counts.load() + unknown_load)
     affinity, neural, timings = _fit_components(
-        counts, config, meta.fingerprint(), (unknown_load, unknown_top1)
+        counts, config, meta.fingerprint(), unknown_load, unknown_top1
     )
     shrinkage = None
     if fold_acc is not None:

@@ -218,28 +218,28 @@ def _swap_refine(
     # member_affinity[d, k] = sum of coact[k, l] over experts l on device d.
     member_affinity = np.stack([coact[x == d].sum(axis=0) for d in range(e)])
     pairs = np.array([(p, q) for p in range(e) for q in range(p + 1, e)], dtype=np.int64)
-    budget, since_swap = int(opts["swap_rounds"]), 0
-    while budget > 0 and since_swap < len(pairs):
-        for p, q in pairs[rng.permutation(len(pairs))]:
-            if budget <= 0 or since_swap >= len(pairs):
-                break
-            if deadline is not None and time.perf_counter() > deadline:
-                return x
-            budget -= 1
-            since_swap += 1
-            on_p, on_q = np.flatnonzero(x == p), np.flatnonzero(x == q)
-            to_q = w_tok * (scores[q, on_p] - scores[p, on_p]) + w_exp * (
-                member_affinity[q, on_p] - member_affinity[p, on_p]
-            )  # each expert of p moved to q ...
-            to_p = w_tok * (scores[p, on_q] - scores[q, on_q]) + w_exp * (
-                member_affinity[p, on_q] - member_affinity[q, on_q]
-            )  # ... each of q moved to p, less the pair's own co-activation counted on both
-            delta = to_q[:, None] + to_p[None, :] - 2.0 * w_exp * coact[np.ix_(on_p, on_q)]
-            i, j = np.unravel_index(int(delta.argmax()), delta.shape)
-            if delta[i, j] > 1e-12:
-                a, b = int(on_p[i]), int(on_q[j])
-                x[a], x[b] = q, p
-                member_affinity[p] += coact[b] - coact[a]
-                member_affinity[q] += coact[a] - coact[b]
-                since_swap = 0
+    order = np.empty(0, dtype=np.int64)
+    stale = 0  # trials since the last swap: a whole pass of them ends the refinement
+    for trial in range(int(opts["swap_rounds"])):
+        if stale >= len(pairs) or (deadline is not None and time.perf_counter() > deadline):
+            break
+        if trial % len(pairs) == 0:  # a pass: every pair of devices once, in random order
+            order = rng.permutation(len(pairs))
+        p, q = pairs[order[trial % len(pairs)]]
+        stale += 1
+        on_p, on_q = np.flatnonzero(x == p), np.flatnonzero(x == q)
+        to_q = w_tok * (scores[q, on_p] - scores[p, on_p]) + w_exp * (
+            member_affinity[q, on_p] - member_affinity[p, on_p]
+        )  # each expert of p moved to q ...
+        to_p = w_tok * (scores[p, on_q] - scores[q, on_q]) + w_exp * (
+            member_affinity[p, on_q] - member_affinity[q, on_q]
+        )  # ... each of q moved to p, less the pair's own co-activation counted on both
+        delta = to_q[:, None] + to_p[None, :] - 2.0 * w_exp * coact[np.ix_(on_p, on_q)]
+        i, j = np.unravel_index(int(delta.argmax()), delta.shape)
+        if delta[i, j] > 1e-12:
+            a, b = int(on_p[i]), int(on_q[j])
+            x[a], x[b] = q, p
+            member_affinity[p] += coact[b] - coact[a]
+            member_affinity[q] += coact[a] - coact[b]
+            stale = 0
     return x

@@ -161,10 +161,12 @@ def _assign_tokens(
             )
             if reached < float((room + freq[busy].max()).min()):
                 solved = _assign_exact(gain[busy], freq[busy], np.maximum(room, reached))
-        if solved is None:
-            # then one maximal token above the cap, the slack rule of planner.solve.problem
-            # and the ILP's last fallback
-            solved = _assign_exact(gain[busy], freq[busy], room + freq[busy].max())
+            if solved is None:
+                # then one maximal token above the cap, the slack rule of
+                # planner.solve.problem and the ILP's last fallback
+                solved = _assign_exact(gain[busy], freq[busy], room + freq[busy].max())
+            if solved is None:  # none fits that either: the steps below, already taken
+                return greedy
         if solved is not None:
             token_to_device[busy] = solved
             return Assignment(token_to_device, price)
