@@ -16,7 +16,8 @@ Two sources:
   ``token_id`` int32, ``expert`` int16, ``count`` int64, metadata ``{"schema": "counts"}``),
   or the OLMoE routing-analysis export in ``../shared/realdata`` (extra ``model`` and
   ``domain`` columns, ``layer`` = model layer index, no moeplan metadata), filtered by
-  model and domain.
+  model and domain. The counts must be those of top-k routing: no expert counted more
+  often than its token occurred (a ``--top-k`` larger than the model's is refused).
 """
 
 from __future__ import annotations
@@ -541,7 +542,38 @@ def read_counts_table(
     )
     check_vocab_fits(meta, str(path))
     out = counts_from_triples(meta, moe_index, token, expert, count)
+    _check_top_k(path, out, selection)
     return TokenExpertCounts(out.meta, out.by_layer, domains)
+
+
+def _check_top_k(path: Path, counts: TokenExpertCounts, sel: CountsSelection) -> None:
+    """InputError when the counts cannot be of top-k routing with this k.
+
+    Each occurrence of a token activates k distinct experts, so its counts sum to k x its
+    occurrences and no expert is counted more often than the token occurred:
+    ``k x max_e count <= sum_e count``. A k too large (8 for Mixtral's top-2) breaks that
+    on every token seen once; it had gone through, every token's occurrences divided by
+    the wrong k and the predictor's top-k lists filled with experts the model never chose.
+    (A k too small cannot be seen in the counts.)
+    """
+    k = counts.meta.top_k
+    for index, mat in enumerate(counts.by_layer):
+        if mat.nnz == 0:
+            continue
+        rows = np.flatnonzero(np.diff(mat.indptr))
+        total = np.add.reduceat(mat.data, mat.indptr[rows])
+        most = np.maximum.reduceat(mat.data, mat.indptr[rows])
+        bad = np.flatnonzero(k * most > total)
+        if bad.size:
+            j = bad[0]
+            given = "--top-k" if sel.top_k is not None else "top_k"
+            raise InputError(
+                f"{path}: token {int(rows[j])} at MoE layer {index} has an expert counted "
+                f"{int(most[j])} times in {int(total[j])} activations, more than the "
+                f"{total[j] / k:g} occurrences {given}={k} gives it (each occurrence "
+                f"activates {k} distinct experts); is {given} {k} the model's? "
+                f"({bad.size} of {rows.size} tokens break this there)"
+            )
 
 
 def check_vocab_fits(meta: TraceMeta, where: str) -> None:

@@ -102,13 +102,17 @@ def twin_trace(directory: Path, seed: int = 0) -> Path:
 
 
 def random_counts(meta: TraceMeta, n: int, seed: int, max_count: int = 5) -> TokenExpertCounts:
-    """``n`` random (layer, token, expert, count) triples of ``meta`` as a counts table
-    (counts in [1, max_count))."""
+    """A counts table of ``n`` random routed (layer, token) draws of ``meta``, each seen
+    1 to ``max_count - 1`` times and routed to top-k distinct experts, so every token's
+    counts are those of real top-k routing (``k x max <= sum``)."""
     rng = np.random.default_rng(seed)
+    k = meta.top_k
+    experts = np.argsort(rng.random((n, meta.num_experts)), axis=1)[:, :k]
+    times = rng.integers(1, max_count, n)
     return counts_from_triples(
         meta,
-        rng.integers(0, meta.num_layers, n),
-        rng.integers(0, meta.vocab_size, n),
-        rng.integers(0, meta.num_experts, n),
-        rng.integers(1, max_count, n),
+        np.repeat(rng.integers(0, meta.num_layers, n), k),
+        np.repeat(rng.integers(0, meta.vocab_size, n), k),
+        experts.ravel(),
+        np.repeat(times, k),
     )

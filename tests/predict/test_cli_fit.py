@@ -175,6 +175,20 @@ def test_real_counts_thinning_and_cross_domain(tmp_path, capsys):
     )
 
 
+def test_a_top_k_larger_than_the_models_is_refused(tmp_path, capsys):
+    """Mixtral routes top-2; `--top-k 4` went through: every token's occurrences halved and
+    its predicted top-4 filled with experts the model never chose. Real counts of top-k
+    routing never count an expert more often than its token occurred."""
+    path = require(OLMOE_COUNTS)
+    base = ["fit", str(path), "--model", "Mixtral", "--domain", "arxiv"]
+    capsys.readouterr()
+    assert main([*base, "--top-k", "4", "--out", str(tmp_path / "p")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is --top-k 4 the model's?" in err and "\n" not in err
+    assert not (tmp_path / "p").exists()
+    assert main([*base, "--top-k", "2", "--out", str(tmp_path / "q")]) == 0
+
+
 def test_a_config_files_holdout_stands_down_for_eval_domain(tmp_path, capsys):
     # the example's [fit] table sets holdout = 0.5; a cross-domain fit with it still runs,
     # while --holdout typed beside --eval-domain is still refused

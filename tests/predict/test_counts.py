@@ -224,6 +224,12 @@ def _olmoe_like(tmp_path):
         "expert": [3, 2, 3, 9, 4, 0, 1],
         "count": [8, 8, 16, 16, 8, 1, 1],
     }
+    # OLMoE routes top-8: each OLMoE (domain, layer, token) above also activated experts
+    # 40-46 as often (counts of real top-k routing; see _check_top_k)
+    for i in range(5):
+        for key in ("model", "domain", "layer", "token_id", "count"):
+            rows[key] += [rows[key][i]] * 7
+        rows["expert"] += list(range(40, 47))
     table = pa.table({
         "model": pa.array(rows["model"]).dictionary_encode(),
         "domain": pa.array(rows["domain"]).dictionary_encode(),
@@ -253,7 +259,7 @@ def test_real_layout_selection_and_layer_mapping(tmp_path):
     assert c.domains == ("arxiv", "book", "github")
     assert c.by_layer[1][7, 9] == 16 and c.by_layer[0][5, 3] == 8
     arxiv = read_counts_table(path, CountsSelection(model="OLMoE", domains=("arxiv",)))
-    assert arxiv.total_activations() == 16
+    assert arxiv.total_activations() == 8 * 16
     # A domain with counts at model layer 15 only still maps it to MoE layer 1.
     book = read_counts_table(path, CountsSelection(model="OLMoE", domains=("book",)))
     assert book.meta.moe_layer_indices == (0, 15) and book.by_layer[1][2, 4] == 8
@@ -309,7 +315,7 @@ def test_numpy_shapes_and_sizes_reach_the_saved_predictor(tmp_path):
         "expert": pa.array([0, 1, 2, 3], pa.int16()), "count": pa.array([2, 2, 2, 2], pa.int64()),
     })  # fmt: skip
     pq.write_table(table, tmp_path / "c.parquet")
-    shapes = CountsSelection(num_experts=np.int64(4), top_k=np.int64(2), vocab_size=np.int64(5))
+    shapes = CountsSelection(num_experts=np.int64(4), top_k=np.int64(1), vocab_size=np.int64(5))
     config = FitConfig(counts=shapes, ep_size=np.int64(2), ngram_order=np.int64(1), progress=False)
     fit_predictor(tmp_path / "c.parquet", config).predictor.save(tmp_path / "p")
     assert Predictor.load(tmp_path / "p").meta.num_experts == 4
@@ -329,7 +335,7 @@ def test_rows_of_count_zero_are_dropped_and_the_fitted_predictor_loads(tmp_path)
     })  # fmt: skip
     path = tmp_path / "zeros.parquet"
     pq.write_table(table, path)
-    c = read_counts_table(path, CountsSelection(num_experts=4, top_k=2, vocab_size=5))
+    c = read_counts_table(path, CountsSelection(num_experts=4, top_k=1, vocab_size=5))
     assert c.by_layer[0].nnz == 3 and c.by_layer[0].data.min() > 0
     aff = TokenExpertAffinity().fit(c)
     back = TokenExpertAffinity.from_tensors(
@@ -337,6 +343,16 @@ def test_rows_of_count_zero_are_dropped_and_the_fitted_predictor_loads(tmp_path)
     )
     ids = np.arange(5)
     np.testing.assert_array_equal(back.predict_topk(ids, 0), aff.predict_topk(ids, 0))
+
+
+def test_counts_that_top_k_routing_cannot_give_are_refused(tmp_path, small_meta):
+    """A k too large for the counts (an expert counted more often than its token occurred
+    at that k) is refused; the counts' own k reads."""
+    path = write_counts_table(tmp_path / "c.parquet", random_counts(small_meta, 60, seed=3))
+    assert read_counts_table(path).meta.top_k == 2
+    with pytest.raises(InputError, match=r"tokens break this there\)$") as caught:
+        read_counts_table(path, CountsSelection(top_k=3))
+    assert "is --top-k 3 the model's?" in str(caught.value)
 
 
 def test_counts_out_of_range_ids_are_refused(tmp_path):
