@@ -5,7 +5,9 @@ Each MoE layer's expert choices are modelled as i.i.d. draws from a multinomial
 (routed activations of expert i over all activations of the layer). Fed batch by batch,
 the MLE is the running mean of the batch distributions weighted by their sizes (the
 "moving average" of the paper); an exponential moving average (``momentum``) is offered
-for a load that drifts.
+for a load that drifts. ``moeplan fit`` feeds it the fitting rows in trace order cut into
+runtime batches of ``batch_tokens`` rows (:class:`RuntimeBatchLoads`), so the estimate
+depends on the trace and the batch size only, not on how the trace is read in chunks.
 
 MoE-GPS's error rate of an estimate against the empirical distribution ``p`` of held-out
 data is ``|p_hat - p| / (1 / N)`` averaged over experts, then over layers; per layer that
@@ -143,6 +145,35 @@ def error_rate(p_hat: np.ndarray, p: np.ndarray) -> np.ndarray:
     if p_hat.shape != p.shape or p.ndim != 2:
         raise InputError(f"distributions of shapes {p_hat.shape} and {p.shape} cannot be compared")
     return np.abs(p_hat - p).mean(axis=1) * p.shape[1]
+
+
+class RuntimeBatchLoads:
+    """The expert loads [L, N] of consecutive runtime batches of ``size`` rows, cut from rows
+    that arrive in chunks of any length (trace order is kept across chunks)."""
+
+    def __init__(self, size: int, num_experts: int):
+        self.size, self.num_experts = int(size), int(num_experts)
+        self._pending: np.ndarray | None = None
+        self._rows = 0
+
+    def add(self, experts: np.ndarray) -> list[np.ndarray]:
+        """Fold in the next rows ``experts`` [T, L, k]; the loads of the batches they complete."""
+        done, start = [], 0
+        while start < len(experts):
+            take = min(self.size - self._rows, len(experts) - start)
+            load = batch_load(experts[start : start + take], self.num_experts)
+            self._pending = load if self._pending is None else self._pending + load
+            self._rows, start = self._rows + take, start + take
+            if self._rows == self.size:
+                done.append(self._pending)
+                self._pending, self._rows = None, 0
+        return done
+
+    def rest(self) -> list[np.ndarray]:
+        """The last, shorter batch's load (none when the rows ended on a batch boundary)."""
+        rest = [] if self._pending is None else [self._pending]
+        self._pending, self._rows = None, 0
+        return rest
 
 
 def batch_load(experts: np.ndarray, num_experts: int) -> np.ndarray:

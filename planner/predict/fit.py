@@ -32,7 +32,7 @@ from planner.predict.counts import (
     is_counts_table,
     read_counts_table,
 )
-from planner.predict.distribution import DistributionPredictor, batch_load
+from planner.predict.distribution import DistributionPredictor, RuntimeBatchLoads, batch_load
 from planner.predict.metrics import HeldoutParts, TraceEvaluator, evaluate_counts
 from planner.predict.neural import NeuralConfig, NeuralPredictor
 from planner.predict.ngram import TransitionAccumulator
@@ -61,7 +61,8 @@ class FitConfig:
             ``embeddings.safetensors`` that ``moeplan profile --save-embeddings`` writes, use it.
         distribution_momentum: None for the distribution-only predictor's exact MLE (the
             size-weighted running mean over batches); a float in (0, 1] for an exponential
-            moving average over trace batches (counts tables have no batches: MLE).
+            moving average over the fitting rows' runtime batches of ``batch_tokens``
+            (counts tables have no batches: MLE).
         neural: also train the neural predictor.
         neural_config: its settings (its own seed is replaced by ``seed``).
         confident_threshold: share defining a token's confident expert set.
@@ -209,9 +210,12 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
     batches = BatchMixAccumulator(meta.vocab_size, config.batch_tokens)
     unknown_load = np.zeros((meta.num_layers, meta.num_experts), np.int64)
     unknown_top1 = np.zeros((meta.num_layers, meta.num_experts), np.int64)
-    # Per-batch loads only for a moving average: the MLE is the counts' column sums.
+    # Per-batch loads only for a moving average, over runtime batches of the fitting rows
+    # (not the reading chunks: the estimate moved with --batch-rows); the MLE is the counts'
+    # column sums.
     ema = config.distribution_momentum is not None
     distribution = DistributionPredictor(config.distribution_momentum)
+    ema_batches = RuntimeBatchLoads(config.batch_tokens, meta.num_experts)
     fit_tokens = 0
     t0 = time.perf_counter()
     with progress_bar(config.progress, "fitting", trace.num_rows, unit="tokens") as advance:
@@ -231,7 +235,8 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
             transitions.add(batch.experts)
             batches.add(batch.token_id)
             if ema:
-                distribution.partial_fit(batch_load(batch.experts, meta.num_experts))
+                for load in ema_batches.add(batch.experts):
+                    distribution.partial_fit(load)
             unknown = batch.token_id < 0
             if unknown.any():  # (the experts are ordered by gate weight: rank 0 first)
                 unknown_load += batch_load(batch.experts[unknown], meta.num_experts)
@@ -243,6 +248,8 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
         raise InputError(f"{path}: no token occurrences to fit on")
     if not ema:  # the exact MLE over the fitting rows, unknown tokens included
         distribution.partial_fit(counts.load() + unknown_load)
+    for load in ema_batches.rest():
+        distribution.partial_fit(load)
     affinity, neural, timings = _fit_components(
         counts, config, meta.fingerprint(), unknown_load, unknown_top1
     )

@@ -61,17 +61,33 @@ def test_skewness_and_batch_load():
     np.testing.assert_allclose(load_skewness(load), [2.0, 2.0])
 
 
-def test_fit_feeds_trace_batches_to_a_moving_average(exact_trace):
+def test_fit_feeds_runtime_batches_to_a_moving_average(exact_trace):
+    """The moving average steps over runtime batches of --batch-tokens fitting rows in trace
+    order, whatever chunks the trace is read in (it stepped over the reading chunks, so
+    --batch-rows, a memory setting, changed the estimate)."""
     from planner.predict.fit import FitConfig, fit_predictor
     from planner.trace.io import open_trace
 
     path, _ = exact_trace
     mle = fit_predictor(path, FitConfig()).predictor.distribution
     trace = open_trace(path)
-    rows = list(trace.iter_batches(5000, weights=False))
-    total = sum(batch_load(r.experts, trace.meta.num_experts) for r in rows)
-    np.testing.assert_allclose(mle.predict(), empirical_distribution(total))
-    last = fit_predictor(path, FitConfig(distribution_momentum=1.0, batch_rows=5000))
-    want = empirical_distribution(batch_load(rows[-1].experts, trace.meta.num_experts))
-    np.testing.assert_allclose(last.predictor.distribution.predict(), want)
-    assert last.predictor.distribution.batches_ == len(rows)
+    experts = np.concatenate([r.experts for r in trace.iter_batches(5000, weights=False)])
+    n = trace.meta.num_experts
+    np.testing.assert_allclose(mle.predict(), empirical_distribution(batch_load(experts, n)))
+    size = 3500  # not a divisor of the rows, nor of the reading chunks
+    assert len(experts) % size and len(experts) > 2 * size
+    cuts = range(0, len(experts), size)
+    want = DistributionPredictor(momentum=0.3).fit(
+        batch_load(experts[i : i + size], n) for i in cuts
+    )
+    for chunk in (5000, 777):
+        got = fit_predictor(
+            path, FitConfig(distribution_momentum=0.3, batch_rows=chunk, batch_tokens=size)
+        ).predictor.distribution
+        np.testing.assert_allclose(got.predict(), want.predict())
+        assert got.batches_ == len(cuts)
+    last = fit_predictor(path, FitConfig(distribution_momentum=1.0, batch_tokens=size))
+    np.testing.assert_allclose(
+        last.predictor.distribution.predict(),
+        empirical_distribution(batch_load(experts[cuts[-1] :], n)),
+    )
