@@ -164,7 +164,7 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     solve_started = time.perf_counter()
     with native_stdout(bool(opts["msg"])):
         prog.solve(solver)
-    status = _checked_status(prog, sub, y_vars, capacity)
+    status = _checked_status(prog, sub, y_vars, capacity, solver=solver, since=solve_started)
     token_rule = "cap"
     # no point found in time while the start breaks the cap (the shared assignment could not
     # meet it either): as if infeasible, the fallbacks start from a point they admit
@@ -195,9 +195,12 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
             )  # fmt: skip
             # the fallbacks share the time limit with the first program
             solver.timeLimit = max(solve_started + time_limit - time.perf_counter(), 1.0)
+            since = time.perf_counter()
             with native_stdout(bool(opts["msg"])):
                 prog.solve(solver)
-            status = _checked_status(prog, sub, y_vars, capacity, heavy_fill)
+            status = _checked_status(
+                prog, sub, y_vars, capacity, heavy_fill, solver=solver, since=since
+            )
             if status != "infeasible":
                 break
     over = time.perf_counter() - solve_started - time_limit
@@ -609,11 +612,24 @@ def _checked_status(
     y_vars: list[dict[int, pulp.LpVariable]],
     capacity: float,
     heavy_fill: bool = False,
+    *,
+    solver=None,
+    since: float | None = None,
 ) -> str:
     """:func:`_status`, where a point found at the time limit (or the start a killed
     solver left in the variables) that breaks the program's token cap counts as none: a
-    solver stopped early can hand back a start it rejected."""
+    solver stopped early can hand back a start it rejected. CBC stopped by its time limit
+    (``since`` = when the solve began) can write "Infeasible" without a proof; that counts
+    as no solution too, so the fallbacks' looser caps are not reported as forced by an
+    infeasible cap (nor the first program's answer as "optimal" under them)."""
     status = _status(prog)
+    if (
+        status == "infeasible"
+        and isinstance(solver, _CbcWithDeadline)
+        and since is not None
+        and time.perf_counter() - since >= float(solver.timeLimit)
+    ):
+        return "no solution"
     if status != "feasible (time limit)" or sub.balance != "cap" or not y_vars:
         return status
     t = np.array([_argmax_var(y) for y in y_vars], dtype=np.int64)

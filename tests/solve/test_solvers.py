@@ -8,6 +8,7 @@ import tempfile
 import time
 
 import numpy as np
+import pulp
 import pytest
 
 from planner.errors import InfeasibleError, InputError
@@ -571,6 +572,32 @@ def test_ilp_with_cbc_failing_to_start_is_one_error() -> None:
         solve_layer(p, "ilp", config).validate(p)  # a machine where CBC starts in time
     except InfeasibleError as e:
         assert str(e).startswith("ilp: ") and "\n" not in str(e)
+
+
+def test_cbc_infeasible_at_its_time_limit_is_no_proof(monkeypatch) -> None:
+    """CBC stopped by its time limit can write "Infeasible" without a proof. That was read as
+    a proof: the ILP fell back to a looser token cap and reported that program's answer as
+    "optimal". It is now "no solution": with a start within the cap, the one-line "found no
+    placement" error."""
+    from planner.solve import ilp
+
+    def slow_infeasible(self, lp, **kwargs):  # a CBC that spends its limit and says infeasible
+        time.sleep(float(self.timeLimit) + 0.05)
+        lp.assignStatus(pulp.LpStatusInfeasible, pulp.LpSolutionInfeasible)
+        return lp.status
+
+    def quick_infeasible(self, lp, **kwargs):  # a proof found at once
+        lp.assignStatus(pulp.LpStatusInfeasible, pulp.LpSolutionInfeasible)
+        return lp.status
+
+    problem = random_problem(40, 8, 2, top_k=2, seed=1)
+    config = SolverConfig(time_limit=0.2, options={"ilp": {"solver": "cbc"}})
+    monkeypatch.setattr(ilp._CbcWithDeadline, "actualSolve", slow_infeasible)
+    with pytest.raises(InfeasibleError, match="found no placement within 0.2 s"):
+        solve_layer(problem, "ilp", config)
+    monkeypatch.setattr(ilp._CbcWithDeadline, "actualSolve", quick_infeasible)
+    with pytest.raises(InfeasibleError, match="no placement meets the token cap"):
+        solve_layer(problem, "ilp", config)
 
 
 def test_alternating_swap_refinement_ends_where_no_swap_helps() -> None:
