@@ -6,6 +6,7 @@ import dataclasses
 import time
 
 import numpy as np
+from scipy import stats
 
 from planner.errors import InputError
 from planner.evaluate.metrics import EvalConfig, evaluate_bundle
@@ -41,11 +42,16 @@ def ratio_interval(
     because a request's tokens share a prompt and route alike. The runtime batches that cap
     device load are kept as evaluated, not re-formed per resample.
 
-    A plain percentile bootstrap: with few requests it is too narrow. Simulated (lognormal
-    request sizes, a small paired difference), a 90% interval covered 0.80 of cases at 6
-    requests, 0.85 at 16 and 0.91 at 160; so "inside its interval" at FLAME-MoE's 6-16
-    held-out requests is a weak statement. Where the comparison is with the best baseline,
-    that baseline is chosen once on the whole held-out set, not again in each resample.
+    A plain percentile bootstrap is too narrow with few requests. Simulated (lognormal
+    request sizes, a small paired difference), a 90% interval covered 0.78 of cases at 6
+    requests, 0.80 at 10 and 0.85 at 16. So this is the *expanded* percentile interval
+    (Hesterberg, "What teachers should know about the bootstrap", 2015): the quantiles are
+    taken at the tail ``Phi(-sqrt(n / (n - 1)) t_{n-1}(1 - tail))`` instead of ``tail``,
+    which corrects the bootstrap's variance bias and uses Student's t. In the same
+    simulation it covered 0.89 at 6 requests, 0.88 at 10 and 0.87 at 16 and 40 (the
+    plain one 0.87 at 40); at 3 requests still only 0.75. Where the comparison is with the
+    best baseline, that baseline is chosen once on the whole held-out set, not again in
+    each resample.
 
     Args:
         local_a, local_b: [R] balanced local activations of each request under the two
@@ -66,7 +72,8 @@ def ratio_interval(
         pick = rng.integers(0, a.size, (stop - start, a.size))
         num, den = a[pick].sum(axis=1), b[pick].sum(axis=1)
         ratios[start:stop] = num / np.maximum(den, 1e-12)
-    tail = (1 - level) / 2
+    n = a.size
+    tail = float(stats.norm.cdf(-np.sqrt(n / (n - 1)) * stats.t.ppf(1 - (1 - level) / 2, n - 1)))
     low, high = np.quantile(ratios, [tail, 1 - tail])
     return float(low), float(high)
 

@@ -141,6 +141,20 @@ def test_ratio_interval():
     assert ratio_interval(a, b) == (low, high)  # seeded: reruns agree
 
 
+def test_ratio_interval_covers_at_few_requests():
+    """At 6 held-out requests (FLAME-MoE's fewest) a plain percentile bootstrap's 90%
+    interval held the true ratio 0.78 of the time; the expanded one about 0.89."""
+    rng = np.random.default_rng(7)
+    trials, covered = 400, 0
+    for _ in range(trials):
+        size = rng.lognormal(6.0, 1.0, 6)
+        local_b = rng.beta(20, 30, 6)  # per-request balanced LAR; a: 1 +- 3% of it
+        local_a = local_b * (1 + rng.normal(0.0, 0.03, 6))
+        low, high = ratio_interval(size * local_a, size * local_b)
+        covered += low <= 1.0 <= high  # the true ratio is 1
+    assert 0.84 <= covered / trials <= 0.96
+
+
 def test_balanced_caps_every_batch_and_perfect_plan(tmp_path):
     """A plan that matches routing exactly: LAR 1; the cap then bounds tokens per device."""
     meta = TraceMeta("test/m", num_layers=2, num_experts=4, top_k=2, vocab_size=4)
