@@ -38,7 +38,8 @@ def as_tensor(x: Any, name: str) -> torch.Tensor:
         require_data(x, name)
         return x
     try:
-        return torch.as_tensor(np.ascontiguousarray(x))
+        # (np.ascontiguousarray makes a 0-d array 1-D: a scalar passed the [T] checks)
+        return torch.as_tensor(np.asarray(x, order="C"))
     except (TypeError, ValueError, RuntimeError):
         raise InputError(
             f"{name} must be a tensor or array of numbers, got {type(x).__name__} "

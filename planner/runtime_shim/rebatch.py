@@ -28,7 +28,7 @@ the two index maps between slots and original rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -61,12 +61,17 @@ class RebatchInfo:
         token_to_slot: [T] int64, shuffled row of each original row. Example: ``[2, 0, 3]``.
         counts: [E] int64, tokens sent to each device. Example: ``[1, 2]``.
         chunk_rows: C, rows per device chunk (padding included).
+        planned: made by :func:`plan_rebatch` (its index values are valid by construction).
+            The gathers check the values of any other info once (a device sync): a
+            hand-made one with an index out of range had the Triton kernel read past the
+            end of the tensor.
     """
 
     slot_to_token: torch.Tensor
     token_to_slot: torch.Tensor
     counts: torch.Tensor
     chunk_rows: int
+    planned: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         # Shapes only (values would cost a device sync on every call; plan_rebatch makes
@@ -118,7 +123,22 @@ class RebatchInfo:
             self.token_to_slot.to(device),
             self.counts.to(device),
             self.chunk_rows,
+            self.planned,
         )
+
+    def checked_index(self, name: str, device: torch.device) -> torch.Tensor:
+        """``slot_to_token`` or ``token_to_slot`` on ``device``; InputError when an info not
+        made by :func:`plan_rebatch` holds a value outside its range."""
+        index = getattr(self, name).to(device)
+        if self.planned or index.numel() == 0:
+            return index
+        rows = self.num_tokens if name == "slot_to_token" else self.padded_rows
+        least = -1 if name == "slot_to_token" else 0  # -1: a padding slot
+        lo, hi = torch.stack(index.aminmax()).tolist()  # one sync
+        if lo < least or hi >= rows:
+            bad = lo if lo < least else hi
+            raise InputError(f"RebatchInfo.{name} holds {bad}, outside [{least}, {rows})")
+        return index
 
 
 def plan_rebatch(devices: torch.Tensor, ep_size: int, chunk_rows: int | None = None) -> RebatchInfo:
@@ -184,7 +204,7 @@ def plan_rebatch(devices: torch.Tensor, ep_size: int, chunk_rows: int | None = N
     slot_to_token = torch.full(
         (ep_size * chunk_rows,), -1, dtype=torch.int64, device=devices.device
     ).scatter_(0, slot_of_sorted, order)
-    return RebatchInfo(slot_to_token, token_to_slot, counts, chunk_rows)
+    return RebatchInfo(slot_to_token, token_to_slot, counts, chunk_rows, planned=True)
 
 
 def check_info(info: RebatchInfo) -> None:
@@ -265,7 +285,7 @@ def apply_rebatch(
         )
     shape = (info.padded_rows, hidden.shape[1])
     _check_out(out, shape, hidden, "hidden")
-    index = info.slot_to_token.to(hidden.device)
+    index = info.checked_index("slot_to_token", hidden.device)
     triton_path = _use_triton(hidden, backend)  # checks the name on every path
     if _differentiable(hidden, out):
         if info.num_tokens == 0:  # no row 0 to read for the padding: zeros, still linked
@@ -350,7 +370,7 @@ def resume(
         )
     shape = (info.num_tokens, shuffled.shape[1])
     _check_out(out, shape, shuffled, "shuffled")
-    index = info.token_to_slot.to(shuffled.device)
+    index = info.checked_index("token_to_slot", shuffled.device)
     differentiable = _differentiable(shuffled, out)  # refuses out= with grad, either path
     if _use_triton(shuffled, backend) and not differentiable:
         return kernels.gather_rows(shuffled.contiguous(), index, out, check_index=False)

@@ -92,10 +92,14 @@ def _layers(tables: Any, layer: LayerSpec) -> list[int]:
     return out
 
 
-def _check_dp(tables: Any, dp_size: int) -> int:
-    """``dp_size`` as a Python int (a numpy integer too: the report is written as JSON)."""
+def _check_tables(tables: Any) -> None:
     if not hasattr(tables, "ep_size"):
         raise InputError(f"tables must be PlanTables (load_bundle), got {type(tables).__name__}")
+
+
+def _check_dp(tables: Any, dp_size: int) -> int:
+    """``dp_size`` as a Python int (a numpy integer too: the report is written as JSON)."""
+    _check_tables(tables)
     if not is_integer(dp_size) or dp_size < 1:
         raise InputError(f"dp_size must be a positive integer, got {dp_size!r}")
     dp_size = int(dp_size)
@@ -162,6 +166,7 @@ def request_device_scores(
         [R, E] float64: ``scores[r, d]`` = sum over the request's tokens t and the layers l
         of weight(l, t) * [token_to_device[l, t] == d].
     """
+    _check_tables(tables)  # (None was an AttributeError)
     scorer = _TokenScorer(tables, _layers(tables, layer), weighting)
     rows = [scorer(r).sum(axis=0) for r in _request_ids(requests)]
     return np.stack(rows) if rows else np.zeros((0, scorer.ep))

@@ -138,7 +138,7 @@ def online_candidates(
     _check_confidence(tc, "token_confidence")
     _check_confidence(nc, "ngram_confidence")
     td, nd, tc, nc = td.to(torch.int64), nd.to(torch.int64), _ranked(tc), _ranked(nc)
-    use_ngram = (nc > tc) & (nd >= 0)
+    use_ngram = (nc > tc) & (nd >= 0) & (nc > 0)  # confidence 0 predicts nothing
     device = torch.where(use_ngram, nd, td)
     confidence = torch.where(use_ngram, nc, tc).float()
     second = torch.where(use_ngram, td, torch.where(nc > 0, nd, -1))

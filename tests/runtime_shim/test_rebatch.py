@@ -324,3 +324,23 @@ def test_rebatch_info_refuses_wrong_shapes():
     with pytest.raises(InputError, match="5 tokens for 4 slots"):
         RebatchInfo(good.slot_to_token, t([0, 1, 2, 3, 0]), good.counts, 2)
     assert RebatchInfo(good.slot_to_token, good.token_to_slot, good.counts, 2).num_tokens == 3
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_hand_made_info_with_an_index_out_of_range_is_refused(backend):
+    """Row 5 of a 2-row tensor: the Triton kernel (told the index was checked) read memory
+    past the end, the torch path raised a raw IndexError; both now give one line, before any
+    row moves. An info plan_rebatch made, or its copy on another device, is not re-checked."""
+    t = torch.tensor
+    hidden = torch.ones(2, 2)
+    bad = RebatchInfo(t([0, 5, -1]), t([0, 1]), t([3]), 3)
+    with pytest.raises(InputError, match=r"slot_to_token holds 5, outside \[-1, 2\)$"):
+        apply_rebatch(hidden, bad, backend=backend)
+    lost = RebatchInfo(t([0, 1, -1]), t([0, -1]), t([2]), 3)
+    with pytest.raises(InputError, match=r"token_to_slot holds -1, outside \[0, 3\)$"):
+        resume(torch.ones(3, 2), lost, backend=backend)
+    good = plan_rebatch(t([1, 0, 1]), 2)
+    assert good.planned and good.to("cpu").planned
+    copy = RebatchInfo(good.slot_to_token, good.token_to_slot, good.counts, 2)
+    x = torch.arange(6.0).reshape(3, 2)
+    torch.testing.assert_close(resume(apply_rebatch(x, copy, backend="torch"), copy), x)

@@ -133,6 +133,8 @@ def test_errors():
         schedule_requests([[0]], tables, dp_size=3)
     with pytest.raises(InputError, match="tables must be PlanTables .load_bundle., got str"):
         schedule_requests([[0]], "runs/example/bundle", dp_size=2)
+    with pytest.raises(InputError, match="tables must be PlanTables .load_bundle., got NoneType"):
+        request_device_scores([[1]], None)  # was an AttributeError
     with pytest.raises(InputError, match="layer=5"):
         schedule_requests([[0]], tables, dp_size=2, layer=5)
     with pytest.raises(InputError, match="token id 10 outside"):

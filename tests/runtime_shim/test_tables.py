@@ -19,6 +19,7 @@ from planner.runtime_shim.tables import (
     assign_with_capacity,
     balanced_capacity,
     ngram_row_index,
+    online_candidates,
     online_choice,
 )
 from planner.trace import TraceMeta
@@ -292,6 +293,11 @@ def test_route_with_capacity_keeps_most_confident():
 
 
 def test_capacity_refuses_bad_arguments():
+    # a 0-d numpy device went through as [0] (np.ascontiguousarray made it 1-D); torch's
+    # 0-d was refused
+    for zero_d in (np.array(0), torch.tensor(0)):
+        with pytest.raises(InputError):
+            assign_with_capacity(zero_d, np.array(1.0), 1, 2)
     with pytest.raises(InputError, match="device id 3 outside"):
         assign_with_capacity(np.array([0, 3]), np.zeros(2), 2, 3)
     with pytest.raises(InputError, match="must both be"):
@@ -618,3 +624,9 @@ def test_online_choice_checks_its_inputs():
         online_choice(np.array([0, 1]), ones, np.array([1, 0]), np.array([np.nan, 0.5]))
     dev, conf = online_choice(np.array([0, 1]), ones * 0.5, np.array([1, -1]), np.array([0.9, 0.9]))
     assert dev.tolist() == [1, 1] and conf.tolist() == pytest.approx([0.9, 0.5])
+
+
+def test_an_ngram_entry_of_confidence_zero_predicts_nothing():
+    """Even against a (never validated) negative token confidence, as the docstring says."""
+    device, conf, second, _ = online_candidates([0], [-0.5], [1], [0.0])
+    assert device.tolist() == [0] and second.tolist() == [-1]
