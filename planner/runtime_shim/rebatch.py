@@ -216,11 +216,14 @@ def check_info(info: RebatchInfo) -> None:
         )
 
 
-def _use_triton(x: torch.Tensor, backend: str) -> bool:
+def _use_triton(x: torch.Tensor, backend: str, out: torch.Tensor | None = None) -> bool:
     if backend not in BACKENDS:
         raise InputError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":  # the kernel moves floating rows; integer ones take torch's gather
-        return kernels.HAS_TRITON and x.is_cuda and x.is_floating_point()
+        # and writes rows of unit column stride: another out= layout takes torch's too (it
+        # worked on CPU and was refused on a GPU)
+        unit = out is None or out.shape[1] <= 1 or out.stride(1) == 1
+        return kernels.HAS_TRITON and x.is_cuda and x.is_floating_point() and unit
     return backend == "triton"
 
 
@@ -286,7 +289,7 @@ def apply_rebatch(
     shape = (info.padded_rows, hidden.shape[1])
     _check_out(out, shape, hidden, "hidden")
     index = info.checked_index("slot_to_token", hidden.device)
-    triton_path = _use_triton(hidden, backend)  # checks the name on every path
+    triton_path = _use_triton(hidden, backend, out)  # checks the name on every path
     if _differentiable(hidden, out):
         if info.num_tokens == 0:  # no row 0 to read for the padding: zeros, still linked
             return hidden.sum() * 0 + hidden.new_zeros(shape)
@@ -372,7 +375,7 @@ def resume(
     _check_out(out, shape, shuffled, "shuffled")
     index = info.checked_index("token_to_slot", shuffled.device)
     differentiable = _differentiable(shuffled, out)  # refuses out= with grad, either path
-    if _use_triton(shuffled, backend) and not differentiable:
+    if _use_triton(shuffled, backend, out) and not differentiable:
         return kernels.gather_rows(shuffled.contiguous(), index, out, check_index=False)
     if differentiable:
         return shuffled.index_select(0, index)

@@ -226,6 +226,18 @@ def test_auto_backend_moves_integer_rows_on_cuda():
     assert torch.equal(resume(shuffled, info), x)
 
 
+@pytest.mark.gpu
+def test_auto_backend_takes_a_column_strided_out_on_cuda():
+    # the kernel writes rows of unit column stride; such an out= worked on CPU and was
+    # refused on a GPU under "auto"
+    x = torch.randn(6, 9, device="cuda")
+    devices = torch.tensor([1, 0, 1, 3, 3, 3], device="cuda")
+    out = torch.empty(9, 12, device="cuda").t()  # [12, 9], column stride 12
+    shuffled, info = rebatch(x, devices, 4, out=out)
+    assert shuffled.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(resume(shuffled, info), x)
+
+
 def test_meta_tensors_are_refused_with_one_line():
     # torch's NotImplementedError "Cannot copy out of meta tensor; no data!" before
     meta_x = torch.empty((3, 2), device="meta")
