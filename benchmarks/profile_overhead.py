@@ -138,7 +138,12 @@ def main(argv: list[str] | None = None) -> dict:
                     tokens += len(batch)
             return tokens
 
-        plain()  # warm-up: first-call allocations and lazy initialisation
+        # warm-up of all three: first-call allocations, lazy initialisation, the hooks'
+        # first run and the first Parquet write (hooks and profiled were not warmed: at
+        # --repeats 1 their first run's setup was reported as a 1370% overhead)
+        plain()
+        hooks()
+        profiled(tmp / "warm-up")
         times: dict[str, list[float]] = {"plain": [], "hooks": [], "profiled": []}
         trace_bytes = tokens = 0
         for r in range(args.repeats):  # interleaved, so drift hits all three alike

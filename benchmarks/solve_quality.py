@@ -290,7 +290,7 @@ def table_lines(results: list[dict]) -> list[str]:
             default=np.nan,
         )
         lines.append(
-            f"  {'method':22s} {'fitLAR':>7s} {'LAR':>7s} {'balLAR':>7s} {'imb':>6s} {'sec':>6s} {'/base':>6s} {'/van':>6s}"
+            f"  {'method':22s} {'fitLAR':>7s} {'LAR':>7s} {'balLAR':>7s} {'imb':>6s} {'sec':>6s} {'/base':>6s} {'/van':>6s} {'balRR':>7s}"
         )
         for m, v in r["methods"].items():
             lines.append(

@@ -192,9 +192,13 @@ def whole_model(
     seed: int,
     ngram_weight: float,
     batches: str = "trace",
+    ceo_options: dict | None = None,
+    expert_beta: float | None = None,
 ) -> list[dict]:
     """Solve ``layers`` synthetic layers with ``solve_model(jobs=jobs)`` at each EP size,
-    with the n-gram term (order 2) as ``moeplan solve`` runs it unless ``ngram_weight`` is 0."""
+    with the n-gram term (order 2) as ``moeplan solve`` runs it unless ``ngram_weight`` is 0,
+    CEO given ``ceo_options`` and the expert-load cap ``expert_beta`` (as the layer runs;
+    both were left out here)."""
     from planner.solve.ngram_term import NgramTerm
     from planner.solve.plan import solve_model
     from planner.solve.problem import LayerProblem, SolverConfig
@@ -212,13 +216,15 @@ def whole_model(
         ]
         started = time.perf_counter()
         placements = solve_model(
-            problems, "ceo", SolverConfig(seed=seed), jobs=jobs, progress=False, ngram_term=term
-        )
+            problems, "ceo",
+            SolverConfig(seed=seed, options={"ceo": dict(ceo_options or {})}, expert_beta=expert_beta),
+            jobs=jobs, progress=False, ngram_term=term,
+        )  # fmt: skip
         seconds = [p.seconds for p in placements]
         ngram = [p.info["ngram_term"]["local_rate"] for p in placements if "ngram_term" in p.info]
         out.append({
             "layers": layers, "ep": ep, "jobs": jobs, "ngram_weight": ngram_weight,
-            "batches": batches,
+            "batches": batches, "ceo_options": ceo_options or {}, "expert_beta": expert_beta,
             "seconds": time.perf_counter() - started,
             "layer_seconds_max": max(seconds), "layer_seconds_mean": float(np.mean(seconds)),
             "build_seconds": build_s, "mean_lar": float(np.mean([p.local_rate for p in placements])),
@@ -295,6 +301,8 @@ def main(argv=None) -> int:
             args.seed,
             args.ngram_weight,
             args.batches,
+            args.ceo_options,
+            args.expert_beta,
         )
     print(json.dumps(report, indent=2))
     return 0
