@@ -16,7 +16,7 @@ carries over to new requests. About 40 s per case on 2 cores.
 
     python benchmarks/compare_traces.py [--seeds 0,1,2] [--sources flame,example]
         [--ngram top1,routed] [--ngram-weight 0.5] [--ceo-options JSON] [--chain-passes 0]
-        [--split request|domain] [--holdout 0.5] [--out FILE]
+        [--split request|domain] [--holdout 0.5] [--polish-baselines] [--out FILE]
 
 ``--holdout F`` holds out the share F of the requests instead of half (0.8: fitted on a
 fifth; 0.2: on four fifths).
@@ -42,7 +42,9 @@ them.
 ``--ceo-options '{"batch_aware": false}'`` measures a CEO switch's effect (the same cases,
 with and without it). ``--chain-passes 2`` gives every method the chain polish
 (:mod:`planner.solve.chain`), the strongest baselines we know how to build.
-``--expert-beta 1.25`` caps every method's expert load (``moeplan solve --expert-beta``);
+``--polish-baselines`` ends METIS, k-means and alternating with the local search CEO ends
+with (``PlanConfig.polish``), so the ratio shows CEO's search against the baselines given the
+same local search. ``--expert-beta 1.25`` caps every method's expert load (``moeplan solve --expert-beta``);
 each case also records every method's held-out expert-load imbalance.
 """
 
@@ -129,6 +131,7 @@ def run_case(
     expert_beta: float | None = None,
     embeddings: bool = True,
     holdout: float = 0.5,
+    polish: bool = False,
 ) -> dict:
     """One case: split ``trace`` (the ``holdout`` share of its requests held out, drawn with
     ``seed``, or ``heldout_domain`` held out whole), fit on the fitting side, compare every
@@ -163,6 +166,7 @@ def run_case(
             chain_passes=chain_passes,
             ngram_defer=ngram_defer,
             expert_beta=expert_beta,
+            polish=polish,
         ),  # fmt: skip
         fitting=open_trace(fitting),
     )
@@ -229,6 +233,11 @@ def main(argv=None) -> int:
         default=0.5,
         help="share of the requests held out with --split request (default 0.5: halves)",
     )
+    ap.add_argument(
+        "--polish-baselines",
+        action="store_true",
+        help="end METIS, k-means and alternating with CEO's local search (PlanConfig.polish)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     started = time.perf_counter()
@@ -262,6 +271,7 @@ def main(argv=None) -> int:
                                 args.expert_beta,
                                 not args.no_embeddings,
                                 args.holdout,
+                                args.polish_baselines,
                             ),
                         }
                         cases.append(case)
@@ -288,6 +298,7 @@ def main(argv=None) -> int:
             "expert_beta": args.expert_beta,
             "embeddings": not args.no_embeddings,
             "holdout": args.holdout if args.split == "request" else None,
+            "polish_baselines": args.polish_baselines,
             "ceo_over_best_baseline_min": min(ratios),
             "ceo_over_best_baseline_mean": sum(ratios) / len(ratios),
             "ceo_losses": [

@@ -128,6 +128,12 @@ def solve(
         "vanilla, the contiguous layout); where swaps cannot reach it, the lowest peak they "
         "find, with a note. Co-activated hot experts grouped for locality load their device.",
     ),
+    polish: bool = typer.Option(
+        False,
+        "--polish",
+        help="End the method with the local search CEO ends with (exact expert moves, then "
+        "priced swaps; CEO has it already, vanilla stays as it is).",
+    ),
     options: str = typer.Option(None, "--options", help="Per-method solver options as JSON."),
     as_json: bool = typer.Option(False, "--json", help="Print the per-layer reports as JSON."),
 ) -> None:
@@ -154,7 +160,7 @@ def solve(
     pred = load_predictor(predictor)
     config = PlanConfig(
         method, ep, beta, seed, jobs, time_limit, ngram_order, opts, ngram_weight,
-        chain_passes, ngram_defer, expert_beta,
+        chain_passes, ngram_defer, expert_beta, polish,
     )  # fmt: skip
     plan = make_plan(pred, config, progress=not as_json)
     plan.save(out)
@@ -236,6 +242,12 @@ def compare(
     expert_beta: float = typer.Option(
         None, "--expert-beta", help="As in `moeplan solve`; given to every method but vanilla."
     ),
+    polish: bool = typer.Option(
+        False,
+        "--polish",
+        help="End every method but CEO (which has it) and vanilla with CEO's local search: "
+        "CEO's search against baselines given the same local search.",
+    ),
     options: str = typer.Option(None, "--options", help="Per-method solver options as JSON."),
     fitting: str = typer.Option(
         None,
@@ -267,7 +279,7 @@ def compare(
     fitting_trace = None if fitting is None else open_trace(fitting)
     config = PlanConfig(
         names[0], ep, beta, seed, jobs, time_limit, ngram_order, opts, ngram_weight,
-        chain_passes, ngram_defer, expert_beta,
+        chain_passes, ngram_defer, expert_beta, polish,
     )  # fmt: skip
     result = compare_methods(
         pred,

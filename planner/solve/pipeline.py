@@ -108,6 +108,9 @@ class PlanConfig:
             swaps as it is solved (so the layers after it take their n-gram contexts from
             the capped placement), CEO's search keeps to it, and the chain polish does
             too. None (the default) leaves it unbounded.
+        polish: end every method but ``ceo`` (which ends with it) and ``vanilla`` with
+            CEO's local search (:func:`planner.solve.polish.polish_placement`): how much of
+            CEO's lead is its search shows against the baselines polished alike.
     """
 
     method: str = "ceo"
@@ -122,6 +125,7 @@ class PlanConfig:
     chain_passes: int = 0
     ngram_defer: bool = True
     expert_beta: float | None = None
+    polish: bool = False
 
     def __post_init__(self) -> None:
         check_expert_beta(self.expert_beta)
@@ -139,9 +143,11 @@ class PlanConfig:
             if value is not None and not is_real(value):
                 raise InputError(f"{name}={value!r} must be a number")
             object.__setattr__(self, name, None if value is None else float(value))
-        if not is_bool(self.ngram_defer):
-            raise InputError(f"ngram_defer={self.ngram_defer!r} must be true or false")
-        object.__setattr__(self, "ngram_defer", bool(self.ngram_defer))
+        for name in ("ngram_defer", "polish"):
+            value = getattr(self, name)
+            if not is_bool(value):
+                raise InputError(f"{name}={value!r} must be true or false")
+            object.__setattr__(self, name, bool(value))
         if not 1 <= self.ngram_order <= 3:
             raise InputError(f"ngram_order={self.ngram_order} must be 1, 2 or 3")
         if self.jobs < 1:
@@ -165,6 +171,7 @@ class PlanConfig:
             time_limit=self.time_limit,
             options=self.options,
             expert_beta=self.expert_beta,  # solve_layer leaves vanilla uncapped
+            polish=self.polish,
         )
 
 

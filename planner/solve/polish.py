@@ -5,7 +5,9 @@ best experts for the current tokens (:func:`planner.solve.common.place_experts`)
 expert swaps that :func:`swap_candidates` proposes from the assignment's dual prices, each
 move followed by the shared token assignment. CEO polishes its sampled placements with it
 (an improvement on paper 000 App. B), and the chain polish (:mod:`planner.solve.chain`)
-borrows :func:`best_outside`.
+borrows :func:`best_outside`. :func:`polish_placement` runs it on any other method's answer
+(``SolverConfig.polish``): the baselines given the same local search as CEO, to show how
+much of CEO's lead is its search and how much this shared machinery.
 
 The search charges its work to an optional ``effort`` meter (:mod:`planner.solve.effort`).
 """
@@ -21,12 +23,19 @@ from planner.solve.common import (
     assign_for_problem,
     device_gains,
     expert_scores,
+    finish,
+    net_objective,
     objective,
     place_experts,
 )
 from planner.solve.effort import Effort, charge, exhausted
 from planner.solve.expert_balance import ExpertLimit
-from planner.solve.problem import LayerProblem
+from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig
+
+# Work the polish of another method's answer may spend (SolverConfig.polish), in units of
+# planner.solve.effort: what CEO's default budget leaves its screening and final polish
+# (the 40% of 5M its search does not take).
+POLISH_EFFORT = 2.0e6
 
 # Single swaps verified per polish round when the batch of swaps fails.
 _SWAP_TRIALS = 3
@@ -368,3 +377,32 @@ def _moves(
 
 def _out_of_time(deadline: float | None) -> bool:
     return deadline is not None and time.perf_counter() > deadline
+
+
+def polish_placement(
+    problem: LayerProblem, placement: LayerPlacement, config: SolverConfig
+) -> LayerPlacement:
+    """``placement`` (any method's answer) improved by the local search CEO ends with:
+    exact expert moves, then priced swaps (:func:`polish`), within :data:`POLISH_EFFORT`
+    work units and the config's time limit. As in CEO, the polished placement is kept only
+    when it scores higher net of the runtime cap's take-back on the fitting batches
+    (:func:`planner.solve.common.net_objective`). ``info["polished"]`` reports the rounds, the
+    work and whether the polish was kept."""
+    started = time.perf_counter()
+    effort = Effort(stop=POLISH_EFFORT)
+    deadline = config.deadline(started)
+    x, t = placement.expert_to_device, placement.token_to_device
+    y, u, rounds = polish(problem, x, t, deadline=deadline, sweeps=10, swaps=False, effort=effort)
+    y, u, more = polish(problem, y, u, deadline=deadline, sweeps=10, swaps=True, effort=effort)
+    kept = net_objective(problem, device_gains(problem, y), u) > net_objective(
+        problem, device_gains(problem, x), t
+    )
+    info = placement.info | {
+        "polished": {"rounds": rounds + more, "effort": round(effort.spent), "kept": kept}
+    }
+    if not kept:
+        y, u = x, t
+    return finish(
+        problem, placement.method, y, seed=placement.seed,
+        started=started - placement.seconds, token_to_device=u, info=info,
+    )  # fmt: skip

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 from scipy import sparse
 
-from planner._checks import is_finite_number, is_real
+from planner._checks import is_bool, is_finite_number, is_real
 from planner.errors import InfeasibleError, InputError, MismatchError
 
 BALANCE_MODES = ("cap", "penalty")
@@ -338,12 +338,16 @@ class SolverConfig:
         expert_beta: cap on each device's expert load as a multiple of the mean
             (:mod:`planner.solve.expert_balance`): every method's result is brought under
             it, and CEO's search keeps to it. None leaves expert load unbounded.
+        polish: run the local search CEO ends with on the result of the other methods
+            (not ``vanilla``, the default deployment as it is;
+            :func:`planner.solve.polish.polish_placement`), before the expert-load cap.
     """
 
     seed: int = 0
     time_limit: float | None = None
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
     expert_beta: float | None = None
+    polish: bool = False
 
     def __post_init__(self) -> None:
         if (
@@ -364,6 +368,9 @@ class SolverConfig:
                 f"options must be a dict of per-method dicts, got {type(self.options).__name__}"
             )
         check_expert_beta(self.expert_beta)
+        if not is_bool(self.polish):
+            raise InputError(f"polish={self.polish!r} must be true or false")
+        self.polish = bool(self.polish)
 
     def for_method(self, method: str) -> dict[str, Any]:
         """The option dict of one method (empty when none were given)."""
@@ -386,6 +393,7 @@ class SolverConfig:
             "time_limit": self.time_limit,
             "options": self.options,
             "expert_beta": self.expert_beta,
+            "polish": self.polish,
         }
 
 

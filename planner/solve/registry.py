@@ -14,6 +14,7 @@ from planner.errors import InputError
 from planner.solve import alternating, ceo, ilp, kmeans, metis, vanilla
 from planner.solve.common import check_options
 from planner.solve.expert_balance import cap_expert_load
+from planner.solve.polish import polish_placement
 from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig
 
 Solver = Callable[[LayerProblem, SolverConfig], LayerPlacement]
@@ -86,7 +87,9 @@ def solve_layer(
 ) -> LayerPlacement:
     """Solve one layer with the named method (validated result).
 
-    With ``config.expert_beta`` the result is brought under the expert-load cap
+    With ``config.polish`` the result of a method other than CEO (which ends with it) and
+    ``vanilla`` is improved by the shared local search
+    (:func:`planner.solve.polish.polish_placement`). With ``config.expert_beta`` the result is brought under the expert-load cap
     (:func:`planner.solve.expert_balance.cap_expert_load`; not for ``vanilla``, the default
     deployment as it is).
 
@@ -101,6 +104,8 @@ def solve_layer(
         note = "no token load in this layer: the default deployment"
         return dataclasses.replace(placement, method=method, info={"degenerate": note})
     placement = solver(problem, config)
+    if config.polish and method not in ("ceo", "vanilla"):  # (CEO ends with it already)
+        placement = polish_placement(problem, placement, config)
     if config.expert_beta is not None and method != "vanilla":
         placement = cap_expert_load(problem, placement, config.expert_beta)
     return placement

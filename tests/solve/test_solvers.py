@@ -600,6 +600,28 @@ def test_cbc_infeasible_at_its_time_limit_is_no_proof(monkeypatch) -> None:
         solve_layer(problem, "ilp", config)
 
 
+def test_polish_ends_the_baselines_with_ceos_local_search() -> None:
+    """SolverConfig.polish gives METIS, k-means and alternating the local search CEO ends
+    with: never lower, higher here for each; CEO (which has it) and vanilla are left as
+    they are, and a non-bool is refused."""
+    from planner.solve.pipeline import PlanConfig
+
+    problem = random_problem(600, 32, 8, top_k=4, seed=3, noise=0.3)
+    for method in ("metis", "kmeans", "alternating"):
+        plain = solve_layer(problem, method, SolverConfig(seed=0))
+        polished = solve_layer(problem, method, SolverConfig(seed=0, polish=True))
+        polished.validate(problem)
+        assert polished.objective > plain.objective, method
+        assert polished.info["polished"]["kept"] and polished.method == method
+    for method in ("vanilla", "ceo"):
+        config = SolverConfig(seed=0, polish=True, options={"ceo": {"effort": 2e5}})
+        assert "polished" not in solve_layer(problem, method, config).info
+    with pytest.raises(InputError, match="polish='yes' must be true or false"):
+        SolverConfig(polish="yes")
+    with pytest.raises(InputError, match="polish=1 must be true or false"):
+        PlanConfig(method="kmeans", polish=1)
+
+
 def test_alternating_swap_refinement_ends_where_no_swap_helps() -> None:
     """Sem-MoE's swap refinement ran 200 random single-expert trials, about a tenth of the
     swap pairs at 64 experts on 16 devices, and stopped far from where its own score stops
