@@ -174,6 +174,9 @@ def split(
         help="Hold out every request of these domains (comma-separated; the trace's "
         "'domain' column) instead of a random share of requests.",
     ),
+    force: bool = typer.Option(
+        False, "--force", help="Replace --fit-out / --heldout-out if they are earlier traces."
+    ),
 ) -> None:
     """Split a trace by request (a random share, or whole domains) into fitting and held-out traces."""
     from planner.errors import InputError
@@ -194,14 +197,18 @@ def split(
                 f"{' and '.join(given)} {'are' if len(given) > 1 else 'is'} for a random "
                 "split; --heldout-domain holds out whole domains: give one or the other"
             )
-        s = split_trace_by_domain(path, fit_out, heldout_out, heldout_domain.split(","))
+        s = split_trace_by_domain(
+            path, fit_out, heldout_out, heldout_domain.split(","), overwrite=force
+        )
         console.print(
             f"held out domain(s) {', '.join(s['heldout_domains'])} of {', '.join(s['domains'])}: "
             f"{s['fit_requests']} requests ({s['fit_tokens']} tokens) -> {fit_out}, "
             f"{s['heldout_requests']} ({s['heldout_tokens']} tokens) -> {heldout_out}"
         )
         return
-    s = split_trace(path, fit_out, heldout_out, 0.5 if holdout is None else holdout, seed)
+    s = split_trace(
+        path, fit_out, heldout_out, 0.5 if holdout is None else holdout, seed, overwrite=force
+    )
     console.print(
         f"{s['requests']} requests: {s['requests'] - s['heldout_requests']} ({s['fit_tokens']} tokens) -> "
         f"{fit_out}, {s['heldout_requests']} ({s['heldout_tokens']} tokens) -> {heldout_out}"

@@ -121,17 +121,27 @@ def thin_counts(
 
 
 def split_trace(
-    path: str | Path, fit_out: str | Path, heldout_out: str | Path, fraction: float, seed: int = 0
+    path: str | Path,
+    fit_out: str | Path,
+    heldout_out: str | Path,
+    fraction: float,
+    seed: int = 0,
+    *,
+    overwrite: bool = False,
 ) -> dict:
     """Write the fit and held-out sides of a request split as two traces.
 
     The same seed and fraction give the same split as ``moeplan fit --holdout``, so a
     predictor fitted with ``--holdout F --seed S`` and the held-out trace written here with
-    ``F, S`` see disjoint requests. Both outputs are written atomically (all or nothing).
+    ``F, S`` see disjoint requests. Both outputs are written atomically (all or nothing);
+    an existing output is replaced only with ``overwrite`` (``--force``), and only if it is
+    an earlier trace or an empty directory, as ``trace synth`` and ``ingest`` do.
     """
     trace = open_trace(path)
     split = RequestSplit.make(trace.request_ids(), fraction, seed)
-    counts = _write_sides(trace, fit_out, heldout_out, lambda b: split.heldout_mask(b.request_id))
+    counts = _write_sides(
+        trace, fit_out, heldout_out, lambda b: split.heldout_mask(b.request_id), overwrite
+    )
     return split.summary() | counts
 
 
@@ -190,13 +200,18 @@ def _domain_names(batch, where: object) -> np.ndarray:
 
 
 def split_trace_by_domain(
-    path: str | Path, fit_out: str | Path, heldout_out: str | Path, domains: list[str]
+    path: str | Path,
+    fit_out: str | Path,
+    heldout_out: str | Path,
+    domains: list[str],
+    *,
+    overwrite: bool = False,
 ) -> dict:
     """Hold out every request of ``domains``; the other domains' requests go to the fitting side.
 
     Domains are matched as strings, stripped of surrounding spaces (a synthetic trace's
     integer domain 1 is ``"1"``); at least one domain must stay on the fitting side. Both
-    outputs are written atomically.
+    outputs are written atomically, replacing existing ones only with ``overwrite``.
     """
     trace = open_trace(path)
     trace.request_ids()  # refuses a repeated (request, position) occurrence
@@ -218,12 +233,17 @@ def split_trace_by_domain(
         fit_out,
         heldout_out,
         lambda b: np.isin(_domain_names(b, trace.path), held),
+        overwrite,
     )
     return {"kind": "domain", "heldout_domains": wanted, "domains": available} | counts
 
 
-def _write_sides(trace, fit_out, heldout_out, heldout_mask) -> dict:
-    """Stream ``trace`` into a fitting and a held-out trace by ``heldout_mask(batch)`` [T] bool."""
+def _write_sides(trace, fit_out, heldout_out, heldout_mask, overwrite: bool = False) -> dict:
+    """Stream ``trace`` into a fitting and a held-out trace by ``heldout_mask(batch)`` [T] bool.
+
+    An existing output is replaced only with ``overwrite``: a mistyped --fit-out had
+    replaced a recorded trace (its profile.json too, or an unfinished profile run) without
+    a word, where ``trace synth`` and ``ingest`` ask for --force."""
     fit_at, held_at = Path(fit_out).resolve(), Path(heldout_out).resolve()
     if fit_at == held_at:
         raise InputError(f"--fit-out and --heldout-out are both {fit_out}; give two paths")
@@ -237,6 +257,11 @@ def _write_sides(trace, fit_out, heldout_out, heldout_mask) -> dict:
         check_output(
             out, marker=PART_GLOB, what="trace", inputs=(trace.path,), members=TRACE_MEMBERS
         )
+    for out in (fit_out, heldout_out):  # (after: an input or a user's directory says so)
+        if Path(out).exists() and not overwrite:
+            raise InputError(
+                f"{out}: already exists; choose another path or pass overwrite (--force)"
+            )
     counts = {"fit": 0, "heldout": 0}
     requests: dict[str, set] = {"fit": set(), "heldout": set()}
     # the last context to exit: from when both sides are written until both are renamed

@@ -136,7 +136,9 @@ def test_a_domain_named_with_surrounding_spaces_can_be_held_out(tmp_path, exact_
     pq.write_table(spaced.replace_schema_metadata(table.schema.metadata), tmp_path / "s.parquet")
     assert trace_domains(open_trace(tmp_path / "s.parquet")) == ["0", "1"]
     for name in ("1 ", "1"):
-        s = split_trace_by_domain(tmp_path / "s.parquet", tmp_path / "f", tmp_path / "h", [name])
+        s = split_trace_by_domain(
+            tmp_path / "s.parquet", tmp_path / "f", tmp_path / "h", [name], overwrite=True
+        )
         assert s["heldout_domains"] == ["1"] and s["heldout_tokens"] > 0 and s["fit_tokens"] > 0
 
 
@@ -343,3 +345,22 @@ def test_split_keeps_a_column_only_some_parts_have(tmp_path):
             )
     assert {d for r, d in seen if r < 10} == {None}
     assert {d for r, d in seen if r >= 10} == {7, 8}
+
+
+def test_a_split_replaces_an_existing_trace_only_with_force(tmp_path, exact_trace, capsys):
+    """`trace split` replaced an existing --fit-out without a word, a recorded trace with
+    its profile.json among them (a mistyped path lost a profiling run); as `trace synth`
+    and `ingest`, it now asks for --force."""
+    from planner.cli.main import main
+
+    path, _ = exact_trace
+    fit, held = tmp_path / "f", tmp_path / "h"
+    args = ["trace", "split", str(path), "--fit-out", str(fit), "--heldout-out", str(held)]
+    assert main(args) == 0
+    (fit / "profile.json").write_text('{"finished": true}')
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("f: already exists; choose another path or pass overwrite (--force)")
+    assert (fit / "profile.json").exists()
+    assert main([*args, "--force"]) == 0 and not (fit / "profile.json").exists()
