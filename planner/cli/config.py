@@ -95,7 +95,16 @@ def _value(value: Any, param: Any, where: str, key: str) -> Any:
     # (--methods ceo,kmeans); anywhere else, "out = ['a', 'b']" wrote to "a,b".
     takes = str(getattr(param, "help", "") or "").lower()
     if isinstance(value, dict) and "json" in takes:
-        return json.dumps(value)
+        try:
+            return json.dumps(value)
+        except (TypeError, ValueError):  # a TOML date or time inside it: a traceback
+            raise InputError(
+                f"{where}: {key} holds a value JSON cannot carry (a date or time?): {value!r}"
+            ) from None
+    if isinstance(value, str) and (
+        getattr(param, "multiple", False) or getattr(param, "nargs", 1) == -1
+    ):
+        return [value]  # one path where several may go ("dumps = 'runs/dumps'")
     scalars = isinstance(value, list) and all(
         isinstance(v, str | int | float) and not isinstance(v, bool) for v in value
     )

@@ -82,6 +82,10 @@ def test_a_list_goes_to_an_argument_of_several_values_and_a_file_expert_beta_giv
     capsys.readouterr()
     assert main(["--config", cfg, "trace", "ingest", "sglang", "--out", str(tmp_path / "t")]) == 2
     assert f"{tmp_path}/a.pt: no such SGLang dump" in capsys.readouterr().err
+    # one string where several may go ("Value must be an iterable", naming no file)
+    cfg = _config(tmp_path, f'[trace.ingest.sglang]\ndumps = "{tmp_path}/dumps"\n')
+    assert main(["--config", cfg, "trace", "ingest", "sglang", "--out", str(tmp_path / "t")]) == 2
+    assert f"{tmp_path}/dumps: no such SGLang dump" in capsys.readouterr().err
     # the file's expert-beta is for the methods it applies to: --method vanilla typed on the
     # command line was refused as if --expert-beta had been typed with it
     cfg = _config(tmp_path, "[solve]\nep = 4\nexpert-beta = 1.25\n")
@@ -145,6 +149,11 @@ def test_the_example_config_names_only_real_options():
         # a list or a table only where the option takes one: the list wrote to "a,b"
         ('[solve]\nep = 2\nout = ["a", "b"]\n', "out must be a string, not ['a', 'b']"),
         ("[solve]\nep = 2\nmethod = { a = 1 }\n", "method must be a string, not {'a': 1}"),
+        # a TOML time inside the JSON of --options: json.dumps raised a TypeError traceback
+        (
+            "[solve]\nep = 2\noptions = { ceo = { time_budget = 00:05:00 } }\n",
+            "options holds a value JSON cannot carry",
+        ),
     ],
 )
 def test_values_of_the_wrong_type_are_one_line_errors(setup, tmp_path, capsys, text, message):
