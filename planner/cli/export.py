@@ -83,7 +83,8 @@ def export(
     that one file.
     """
     if verify:
-        if out:
+        # (values from a --config file's [export] table stand down; typed ones are refused)
+        if out and typed(ctx, "out"):
             raise InputError("--verify checks PLAN where it is and writes nothing; drop --out")
         options = (("--format", "formats"), ("--num-model-layers", "num_model_layers"))
         ignored = [flag for flag, name in options if typed(ctx, name)]
@@ -100,6 +101,8 @@ def export(
         raise InputError("--out is required (or pass --verify to check a bundle)")
     names = _parse_formats(formats)
     engines = [n for n in names if n != "moeplan"]
+    if num_model_layers is not None and not engines and not typed(ctx, "num_model_layers"):
+        num_model_layers = None  # a --config file's, for the engine formats it sizes
     if num_model_layers is not None and not engines:
         raise InputError(
             "--num-model-layers sizes the engine files; the moeplan bundle does not use it "

@@ -180,3 +180,23 @@ def test_a_config_that_is_a_directory(tmp_path, capsys):
     assert main(["--config", str(tmp_path), "trace", "info", "x"]) == 2
     err = capsys.readouterr().err.strip()
     assert "is a directory" in err and "\n" not in err
+
+
+def test_a_files_export_values_give_way_to_what_is_typed(setup, tmp_path, capsys):
+    """The file's [export] out refused a typed --verify ("drop --out", never typed), and its
+    num-model-layers a typed --format moeplan: a value typed on the command line wins."""
+    plan, bundle = tmp_path / "plan", tmp_path / "bundle"
+    assert main(["solve", str(setup / "pred"), "--ep", "2", "--method", "vanilla",
+                 "--out", str(plan)]) == 0  # fmt: skip
+    cfg = _config(
+        tmp_path,
+        f'[export]\nout = "{tmp_path}/other"\nformat = "moeplan,sglang"\nnum-model-layers = 4\n',
+    )
+    capsys.readouterr()
+    assert main(["--config", cfg, "export", str(plan), "--out", str(bundle),
+                 "--format", "moeplan"]) == 0  # fmt: skip
+    assert main(["--config", cfg, "export", "--verify", str(bundle)]) == 0
+    assert not (tmp_path / "other").exists()
+    capsys.readouterr()
+    assert main(["export", "--verify", str(bundle), "--out", str(tmp_path / "x")]) == 2
+    assert "drop --out" in capsys.readouterr().err
