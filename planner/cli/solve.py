@@ -152,10 +152,15 @@ def solve(
             f"--options sets {', '.join(map(repr, others))} but solve runs --method {method}; "
             f"give options for {method!r} only"
         )
-    if method == "vanilla" and chain_passes and typed(ctx, "chain_passes"):
-        raise InputError(
-            "--chain-passes does not apply to --method vanilla (the contiguous layout)"
-        )
+    # a --config file's options for other methods are not this plan's (plan.json recorded
+    # them as if they had run)
+    opts = {m: o for m, o in opts.items() if m == method}
+    if method == "vanilla" and chain_passes:
+        if typed(ctx, "chain_passes"):
+            raise InputError(
+                "--chain-passes does not apply to --method vanilla (the contiguous layout)"
+            )
+        chain_passes = 0  # a --config file's, for the methods it applies to
     _check_lp_path(opts, (predictor,), (out,))
     pred = load_predictor(predictor)
     config = PlanConfig(

@@ -200,3 +200,16 @@ def test_a_files_export_values_give_way_to_what_is_typed(setup, tmp_path, capsys
     capsys.readouterr()
     assert main(["export", "--verify", str(bundle), "--out", str(tmp_path / "x")]) == 2
     assert "drop --out" in capsys.readouterr().err
+
+
+def test_a_vanilla_plan_records_only_what_it_ran(setup, tmp_path):
+    """The file's chain-passes and CEO options went into a vanilla plan's plan.json, which
+    then claimed a chain polish and CEO options that never ran."""
+    cfg = _config(
+        tmp_path, "[solve]\nep = 2\nchain-passes = 1\noptions = { ceo = { effort = 1000 } }\n"
+    )
+    out = tmp_path / "v"
+    assert main(["--config", cfg, "solve", str(setup / "pred"), "--method", "vanilla",
+                 "--out", str(out)]) == 0  # fmt: skip
+    config = json.loads((out / "plan.json").read_text())["config"]
+    assert config["chain_passes"] == 0 and config["options"] == {}
