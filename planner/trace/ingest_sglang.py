@@ -49,7 +49,8 @@ Conversion rules:
   previous position + 1. A chunked-prefill continuation or a decode step is therefore not
   linked to its prompt's id; positions are kept as recorded.
 - With tensor parallelism every rank records the same pass: records of one forward pass
-  with identical tokens, positions and ids are kept once (the lowest rank).
+  with identical tokens, positions and ids are kept once (the lowest rank); the same
+  rank's copies (separate recordings of the same traffic) are all kept.
 - Token ids outside [0, vocab_size) become -1 (unknown) when ``vocab_size`` is given;
   otherwise vocab_size is the largest id + 1 (pass the model's real size so the trace
   combines with other traces of the model).
@@ -384,14 +385,18 @@ def _read_dumps(files: list[Path]) -> tuple[list[dict], np.ndarray]:
 def _drop_replicas(records: list[dict]) -> list[dict]:
     """Records in (forward_pass_id, rank) order, each pass's identical copies kept once.
 
-    Under tensor parallelism every rank records the same tokens and ids for a pass.
+    Under tensor parallelism every rank records the same tokens and ids for a pass: a copy
+    from another rank than the one kept is a replica. One rank records a pass once, so a
+    copy from the same rank is another recording (the same traffic replayed after a
+    restart, which resets ``forward_pass_id``) and is kept; it had been dropped as a
+    replica, which skewed token frequencies.
     """
-    seen: set[tuple[int, bytes]] = set()
+    ranks_kept: dict[tuple[int, bytes], set[int]] = {}
     kept = []
     for rec in sorted(records, key=lambda r: (r["forward_pass_id"], r["rank"])):
-        key = (rec["forward_pass_id"], _record_digest(rec))
-        if key not in seen:
-            seen.add(key)
+        ranks = ranks_kept.setdefault((rec["forward_pass_id"], _record_digest(rec)), set())
+        if not ranks or rec["rank"] in ranks:
+            ranks.add(rec["rank"])
             kept.append(rec)
     return kept
 

@@ -351,3 +351,15 @@ def test_cli_huge_token_ids_are_refused_not_wrapped(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "does not fit the trace's int32 column" in err[0]
     assert not (tmp_path / "t.parquet").exists()
+
+
+def test_a_second_recording_by_the_same_rank_is_not_a_replica(tmp_path):
+    """Two recordings of the same traffic by one rank (a replay after a restart: the pass
+    ids start again) were dropped as tensor-parallel replicas, halving the tokens."""
+    dumps, _ = fixture.build()
+    name, one = next(iter(dumps.items()))
+    first = _save(tmp_path / name, one)
+    again = _save(tmp_path / name.replace("1700000000.0", "1700009999.0"), one)
+    _, single, _ = convert_sglang([first], vocab_size=100)
+    _, twice, stats = convert_sglang([first, again], vocab_size=100)
+    assert len(twice) == 2 * len(single) and stats.duplicate_records == 0
