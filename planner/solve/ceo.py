@@ -606,6 +606,8 @@ def _solve_improved(
             screen_stop = polish_stop.halfway(time.perf_counter(), effort.spent)
         if not opts["polish"] or screen_stop.reached(effort):
             break
+    # the clusterings sit right after the search's best: those the screening reached
+    clustered = min(clustered, max(0, len(screened) - 1))
     screened.sort(key=lambda item: -item[0])
     best, log = None, []
     effort.stop = polish_stop.units  # polish() checks the meter between moves
