@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import resource
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -25,3 +27,17 @@ def emit_json(report: dict, out: str | Path | None = None, **dumps_kwargs) -> No
     print(text)
     if out:
         Path(out).write_text(text + "\n")
+
+
+def run(main: Callable[[], int | None]) -> None:
+    """Run a benchmark's ``main`` and exit with its status; a moeplan error or a missing or
+    unreadable file is one line on stderr and exit 2, not a traceback."""
+    from planner.errors import MoeplanError
+
+    try:
+        status = main()
+    except (MoeplanError, OSError) as e:
+        what = f"{type(e).__name__}: {e}" if isinstance(e, OSError) else str(e)
+        print(f"{Path(sys.argv[0]).name}: error: {what}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(status or 0)

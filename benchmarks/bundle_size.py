@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from _common import run  # (benchmarks/ is on sys.path when run as a script)
 
 from planner.export import Bundle, load_bundle_arrays, save_bundle, verify_bundle
 from planner.runtime_shim.tables import balanced_capacity, load_bundle
@@ -131,4 +132,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -60,7 +60,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from _common import emit_json  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from _common import emit_json, run  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 from planner.evaluate.compare import compare_methods  # noqa: E402
 from planner.predict.fit import FitConfig, fit_predictor  # noqa: E402
@@ -329,4 +329,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import emit_json, peak_rss_mib  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from _common import emit_json, peak_rss_mib, run  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 
 def write_prefix(trace: Path, tokens: int, out: Path) -> None:
@@ -127,4 +127,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import emit_json, peak_rss_mib  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from _common import emit_json, peak_rss_mib, run  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 TARGET = 20e6  # routed activations per second
 
@@ -157,4 +157,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -27,6 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from _common import run  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+
 from planner.profile.checkpoint import (  # noqa: E402
     inspect_checkpoint,
     load_model,
@@ -188,4 +190,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -23,6 +23,7 @@ import statistics
 import time
 
 import torch
+from _common import run  # (benchmarks/ is on sys.path when run as a script)
 
 from planner.runtime_shim import kernels
 from planner.runtime_shim.rebatch import apply_rebatch, plan_rebatch, rebatch, resume
@@ -174,4 +175,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

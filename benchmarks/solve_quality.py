@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
-from _common import emit_json  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from _common import emit_json, run  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from scipy import sparse
 
 from planner.solve import common, metrics
@@ -457,4 +457,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

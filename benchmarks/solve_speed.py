@@ -44,7 +44,7 @@ from pathlib import Path
 from queue import Empty
 
 import numpy as np
-from _common import peak_rss_mib  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from _common import peak_rss_mib, run  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from scipy import sparse
 
 from planner.solve.ceo import DEFAULT_EFFORT, model_layer_effort
@@ -309,4 +309,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)
