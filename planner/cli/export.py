@@ -66,7 +66,7 @@ def export(
     formats: str = typer.Option(
         "moeplan", "--format", help=f"Comma-separated formats: {', '.join(ALL_FORMATS)}."
     ),
-    num_model_layers: int = typer.Option(
+    num_model_layers: int | None = typer.Option(
         None,
         "--num-model-layers",
         help="Decoder layers incl. dense ones (engine files indexed by model layer).",
