@@ -146,7 +146,9 @@ class SglangIngestStats:
 
 
 def dump_files(paths: Sequence[str | Path]) -> list[Path]:
-    """The dump files named by ``paths``: files as given, directories expanded by glob."""
+    """The dump files named by ``paths``: files as given, directories expanded by glob;
+    a file named twice (a directory and one of its files) is read once, since a rank's
+    repeated records are all kept (:func:`_drop_replicas`)."""
     if not paths:
         raise InputError("sglang: no dump file or directory given")
     out: list[Path] = []
@@ -160,7 +162,10 @@ def dump_files(paths: Sequence[str | Path]) -> list[Path]:
             out.append(p)
         else:
             raise InputError(f"{p}: no such SGLang dump file or directory")
-    return out
+    unique: dict[Path, Path] = {}
+    for p in out:
+        unique.setdefault(p.resolve(), p)
+    return list(unique.values())
 
 
 def _to_numpy(value, what: str, where: Path, ndim: int) -> np.ndarray:

@@ -363,3 +363,14 @@ def test_a_second_recording_by_the_same_rank_is_not_a_replica(tmp_path):
     _, single, _ = convert_sglang([first], vocab_size=100)
     _, twice, stats = convert_sglang([first, again], vocab_size=100)
     assert len(twice) == 2 * len(single) and stats.duplicate_records == 0
+
+
+def test_a_dump_file_named_twice_is_read_once(tmp_path):
+    """Since a rank's repeated records are all kept, a file named twice (a directory and
+    one of its files, or the same path again) had its tokens counted twice."""
+    dumps, _ = fixture.build()
+    name, one = next(iter(dumps.items()))
+    first = _save(tmp_path / name, one)
+    _, single, _ = convert_sglang([first], vocab_size=100)
+    _, again, _ = convert_sglang([first, tmp_path, tmp_path / "." / name], vocab_size=100)
+    assert len(again) == len(single)
