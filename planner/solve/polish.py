@@ -384,16 +384,23 @@ def polish_placement(
 ) -> LayerPlacement:
     """``placement`` (any method's answer) improved by the local search CEO ends with:
     exact expert moves, then priced swaps (:func:`polish`), within :data:`POLISH_EFFORT`
-    work units and what the method left of the config's time limit. As in CEO, the polished placement is kept only
-    when it scores higher net of the runtime cap's take-back on the fitting batches
-    (:func:`planner.solve.common.net_objective`). ``info["polished"]`` reports the rounds, the
-    work and whether the polish was kept."""
+    work units and what the method left of the config's time limit. As in CEO, the moves
+    keep to the expert-load cap (``config.expert_beta``; the placement is already under it,
+    or at the lowest peak reached: :func:`planner.solve.registry.solve_layer`), and the
+    polished placement is kept only when it scores higher net of the runtime cap's
+    take-back on the fitting batches (:func:`planner.solve.common.net_objective`).
+    ``info["polished"]`` reports the rounds, the work and whether the polish was kept."""
     started = time.perf_counter()
     effort = Effort(stop=POLISH_EFFORT)
     deadline = config.deadline(started - placement.seconds)  # one time limit for both
+    limit = ExpertLimit.of(problem, config.expert_beta)
     x, t = placement.expert_to_device, placement.token_to_device
-    y, u, rounds = polish(problem, x, t, deadline=deadline, sweeps=10, swaps=False, effort=effort)
-    y, u, more = polish(problem, y, u, deadline=deadline, sweeps=10, swaps=True, effort=effort)
+    y, u, rounds = polish(
+        problem, x, t, deadline=deadline, sweeps=10, swaps=False, effort=effort, limit=limit
+    )
+    y, u, more = polish(
+        problem, y, u, deadline=deadline, sweeps=10, swaps=True, effort=effort, limit=limit
+    )
     kept = net_objective(problem, device_gains(problem, y), u) > net_objective(
         problem, device_gains(problem, x), t
     )

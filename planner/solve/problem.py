@@ -340,7 +340,8 @@ class SolverConfig:
             it, and CEO's search keeps to it. None leaves expert load unbounded.
         polish: run the local search CEO ends with on the result of the other methods
             (not ``vanilla``, the default deployment as it is;
-            :func:`planner.solve.polish.polish_placement`), before the expert-load cap.
+            :func:`planner.solve.polish.polish_placement`), after the expert-load cap and
+            keeping to it, as CEO's polish does.
     """
 
     seed: int = 0

@@ -87,11 +87,11 @@ def solve_layer(
 ) -> LayerPlacement:
     """Solve one layer with the named method (validated result).
 
-    With ``config.polish`` the result of a method other than CEO (which ends with it) and
-    ``vanilla`` is improved by the shared local search
-    (:func:`planner.solve.polish.polish_placement`). With ``config.expert_beta`` the result is brought under the expert-load cap
+    With ``config.expert_beta`` the result is brought under the expert-load cap
     (:func:`planner.solve.expert_balance.cap_expert_load`; not for ``vanilla``, the default
-    deployment as it is).
+    deployment as it is). With ``config.polish`` the result of a method other than CEO
+    (which ends with it) and ``vanilla`` is then improved by the shared local search
+    (:func:`planner.solve.polish.polish_placement`), which keeps to the cap as CEO's does.
 
     A layer with no token load to place (e.g. a trace whose tokens are all unknown: only
     load-free n-gram context rows, or none) gets the default deployment whatever the
@@ -104,8 +104,8 @@ def solve_layer(
         note = "no token load in this layer: the default deployment"
         return dataclasses.replace(placement, method=method, info={"degenerate": note})
     placement = solver(problem, config)
-    if config.polish and method not in ("ceo", "vanilla"):  # (CEO ends with it already)
-        placement = polish_placement(problem, placement, config)
     if config.expert_beta is not None and method != "vanilla":
         placement = cap_expert_load(problem, placement, config.expert_beta)
+    if config.polish and method not in ("ceo", "vanilla"):  # (CEO ends with it already)
+        placement = polish_placement(problem, placement, config)  # within the cap, as CEO's
     return placement
