@@ -640,6 +640,21 @@ def test_polish_keeps_to_the_expert_load_cap() -> None:
         assert "polished" in polished.info and "expert_balance" in polished.info
 
 
+def test_polish_shares_the_methods_time_limit() -> None:
+    """The polish of a method's answer had a time limit of its own, so a polished method
+    could take twice the limit; it now has what the method left of it."""
+    from planner.solve.polish import polish_placement
+
+    problem = random_problem(600, 32, 8, top_k=4, seed=3, noise=0.3)
+    config = SolverConfig(seed=0, time_limit=30.0, polish=True)
+    plain = solve_layer(problem, "kmeans", SolverConfig(seed=0))
+    assert polish_placement(problem, plain, config).info["polished"]["kept"]
+    spent = dataclasses.replace(plain, seconds=31.0)  # the method took all of it
+    late = polish_placement(problem, spent, config)
+    assert not late.info["polished"]["kept"] and late.seconds >= 31.0
+    np.testing.assert_array_equal(late.expert_to_device, plain.expert_to_device)
+
+
 def test_alternating_swap_refinement_ends_where_no_swap_helps() -> None:
     """Sem-MoE's swap refinement ran 200 random single-expert trials, about a tenth of the
     swap pairs at 64 experts on 16 devices, and stopped far from where its own score stops
