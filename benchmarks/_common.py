@@ -29,8 +29,9 @@ def emit_json(report: dict, out: str | Path | None = None, **dumps_kwargs) -> No
         Path(out).write_text(text + "\n")
 
 
-def run(main: Callable[[], int | None]) -> None:
-    """Run a benchmark's ``main`` and exit with its status; a moeplan error or a missing or
+def run(main: Callable[[], object]) -> None:
+    """Run a benchmark's ``main`` and exit with its status (an int; anything else, such as
+    the report ``profile_overhead`` returns, is success); a moeplan error or a missing or
     unreadable file is one line on stderr and exit 2, not a traceback."""
     from planner.errors import MoeplanError
 
@@ -40,4 +41,4 @@ def run(main: Callable[[], int | None]) -> None:
         what = f"{type(e).__name__}: {e}" if isinstance(e, OSError) else str(e)
         print(f"{Path(sys.argv[0]).name}: error: {what}", file=sys.stderr)
         sys.exit(2)
-    sys.exit(status or 0)
+    sys.exit(status if isinstance(status, int) and not isinstance(status, bool) else 0)
