@@ -5,9 +5,11 @@ Each MoE layer's expert choices are modelled as i.i.d. draws from a multinomial
 (routed activations of expert i over all activations of the layer). Fed batch by batch,
 the MLE is the running mean of the batch distributions weighted by their sizes (the
 "moving average" of the paper); an exponential moving average (``momentum``) is offered
-for a load that drifts. ``moeplan fit`` feeds it the fitting rows in trace order cut into
-runtime batches of ``batch_tokens`` rows (:class:`RuntimeBatchLoads`), so the estimate
-depends on the trace and the batch size only, not on how the trace is read in chunks.
+for a load that drifts (``FitConfig.distribution_momentum``; ``moeplan fit`` has no flag
+for it and fits the MLE). :func:`planner.predict.fit.fit_predictor` feeds it the fitting
+rows in trace order cut into runtime batches of ``batch_tokens`` rows
+(:class:`RuntimeBatchLoads`), so the estimate depends on the trace and the batch size
+only, not on how the trace is read in chunks.
 
 MoE-GPS's error rate of an estimate against the empirical distribution ``p`` of held-out
 data is ``|p_hat - p| / (1 / N)`` averaged over experts, then over layers; per layer that
