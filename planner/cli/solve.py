@@ -10,11 +10,13 @@ from rich.table import Table
 
 from planner._io import check_output
 from planner.cli.app import app, console, err_console, print_json, typed
-from planner.errors import InputError
+from planner.errors import InputError, MismatchError
 from planner.evaluate import EvalConfig
 from planner.evaluate.compare import compare_methods
 from planner.evaluate.plots import check_plot_path, plot_comparison
+from planner.export import load_tables
 from planner.predict.predictor import load_predictor
+from planner.solve.align import align_plan
 from planner.solve.ilp import check_lp_path
 from planner.solve.ngram_term import DEFAULT_WEIGHT
 from planner.solve.pipeline import PlanConfig, make_plan
@@ -135,10 +137,20 @@ def solve(
         "priced swaps; CEO has it already, vanilla stays as it is).",
     ),
     options: str = typer.Option(None, "--options", help="Per-method solver options as JSON."),
+    align_to: str = typer.Option(
+        None,
+        "--align-to",
+        help="The plan or bundle deployed now (same model and EP size): number this plan's "
+        "devices, layer by layer, so that the most experts stay where it has them. Nothing "
+        "else changes; the experts that change device are reported.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the per-layer reports as JSON."),
 ) -> None:
     """Place every layer's experts on E devices and give every token a device."""
-    check_plan_output(out, inputs=(predictor,))  # before the work, not after it
+    # the deployed plan is read first: a path that is none is named as such
+    deployed = None if align_to is None else load_tables(align_to)
+    inputs = tuple(filter(None, (predictor, align_to)))
+    check_plan_output(out, inputs=inputs)  # before the work, not after it
     if expert_beta is not None and method == "vanilla":
         if typed(ctx, "expert_beta"):
             raise InputError(
@@ -161,17 +173,27 @@ def solve(
                 "--chain-passes does not apply to --method vanilla (the contiguous layout)"
             )
         chain_passes = 0  # a --config file's, for the methods it applies to
-    _check_lp_path(opts, (predictor,), (out,))
+    _check_lp_path(opts, inputs, (out,))
     pred = load_predictor(predictor)
+    if deployed is not None:  # checked before the work
+        if deployed.ep_size != ep:
+            raise InputError(f"--align-to {align_to} is a plan of EP {deployed.ep_size}, not {ep}")
+        if deployed.meta.fingerprint() != pred.fingerprint:
+            raise MismatchError(
+                f"--align-to {align_to} was made for model {deployed.meta.model!r}, "
+                f"the predictor for {pred.meta.model!r} (fingerprints differ)"
+            )
     config = PlanConfig(
         method, ep, beta, seed, jobs, time_limit, ngram_order, opts, ngram_weight,
         chain_passes, ngram_defer, expert_beta, polish,
     )  # fmt: skip
     plan = make_plan(pred, config, progress=not as_json)
+    if deployed is not None:
+        plan = align_plan(plan, deployed.expert_to_device, deployed.meta.fingerprint())
     plan.save(out)
     _note_unreached_cap(plan.reports, expert_beta)
     if as_json:
-        print_json({"plan": out, "reports": plan.reports})
+        print_json({"plan": out, "reports": plan.reports, "aligned": plan.config.get("aligned")})
         return
     table = Table(
         title=f"plan {out}: {method}, EP {ep}, beta {beta}, seed {seed}", title_justify="left"
@@ -196,6 +218,12 @@ def solve(
             info[:60],
         )
     console.print(table)
+    if deployed is not None:
+        a = plan.config["aligned"]
+        console.print(
+            f"aligned to {align_to}: {a['experts_moved']} of {a['experts']} experts change "
+            f"device ({a['experts_moved_unaligned']} without aligning)"
+        )
 
 
 def _note_unreached_cap(reports: list[dict], expert_beta: float | None) -> None:

@@ -11,6 +11,7 @@ Modules, in the order a plan is made:
 - :mod:`~planner.solve.plan`        ``solve_model`` over all layers, the ``Plan`` artifact
 - :mod:`~planner.solve.metrics`     W-based held-out metrics (LAR, balanced LAR, bounds)
 - :mod:`~planner.solve.pipeline`    predictor -> problems -> ``Plan`` (what ``moeplan solve`` runs)
+- :mod:`~planner.solve.align`       a new plan's device labels matched to a deployed plan's
 """
 
 from planner.solve.plan import Plan, layer_seed, solve_model

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 
 import numpy as np
 import pytest
 
+from planner.cli.main import main
 from planner.errors import MismatchError
 from planner.evaluate import evaluate_bundle
 from planner.export import bundle_from_plan
@@ -15,6 +17,7 @@ from planner.predict.fit import FitConfig, fit_predictor
 from planner.predict.split import split_trace
 from planner.solve.align import align_plan, device_maps, experts_moved, relabel_ngram
 from planner.solve.pipeline import PlanConfig, make_plan
+from planner.solve.plan import Plan
 from planner.trace import open_trace
 from planner.trace.synth import SynthConfig, synthesize
 
@@ -133,3 +136,39 @@ def test_a_reference_of_another_model_or_ep_size_is_refused(plans):
     ep2 = np.tile(np.arange(8) % 2, (4, 1))  # a placement of EP 2: devices 0-1 only
     with pytest.raises(MismatchError, match="EP 4"):
         align_plan(fresh, ep2, deployed.fingerprint)
+
+
+def test_cli_solve_align_to_a_plan_or_bundle(plans, tmp_path, capsys):
+    d, _, _ = plans
+    pred, old, bundle = tmp_path / "pred", tmp_path / "old", tmp_path / "bundle"
+    assert main(["fit", str(d / "fit"), "--out", str(pred), "--json"]) == 0
+    solve = ["solve", str(pred), "--ep", "4", "--method", "kmeans"]
+    assert main([*solve, "--seed", "1", "--out", str(old)]) == 0
+    assert main(["export", str(old), "--out", str(bundle)]) == 0
+    capsys.readouterr()
+    new = tmp_path / "new"
+    assert main([*solve, "--seed", "5", "--out", str(new), "--align-to", str(bundle)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    aligned = Plan.load(new).config["aligned"]
+    assert f"{aligned['experts_moved']} of 32 experts change device" in out
+    moved = experts_moved(Plan.load(new).expert_to_device, Plan.load(old).expert_to_device)
+    assert moved.sum() == aligned["experts_moved"] <= aligned["experts_moved_unaligned"]
+    args = [*solve, "--out", str(tmp_path / "x"), "--json", "--align-to", str(old)]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["aligned"]["experts"] == 32
+    for align_to, out_dir, message in (
+        (bundle, tmp_path / "bad", "is a plan of EP 4, not 2"),
+        (tmp_path, tmp_path / "bad", "neither a plan"),
+        (old, old, "reads its input"),
+    ):
+        ep = "2" if "EP 4" in message else "4"
+        args = ["solve", str(pred), "--ep", ep, "--out", str(out_dir), "--align-to", str(align_to)]
+        assert main(args) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+    other = synthesize(dataclasses.replace(SYNTH, model="other"), tmp_path / "o")
+    assert main(["fit", str(other), "--out", str(tmp_path / "opred"), "--json"]) == 0
+    capsys.readouterr()
+    args = ["solve", str(tmp_path / "opred"), "--ep", "4", "--out", str(tmp_path / "bad")]
+    assert main([*args, "--align-to", str(bundle)]) == 2
+    assert "fingerprints differ" in capsys.readouterr().err
