@@ -655,6 +655,16 @@ def test_polish_shares_the_methods_time_limit() -> None:
     np.testing.assert_array_equal(late.expert_to_device, plain.expert_to_device)
 
 
+def test_ceo_counts_only_the_clusterings_its_screening_reached() -> None:
+    """With the polish off the screening stops at the search's best, and the info said 3
+    clusterings had been screened (484d04a came without a test)."""
+    problem = random_problem(300, 16, 4, top_k=2, seed=2, noise=0.3)
+    for polish, screened in ((False, 0), (True, 3)):
+        options = {"ceo": {"polish": polish, "effort": 3e5}}
+        info = solve_layer(problem, "ceo", SolverConfig(seed=0, options=options)).info
+        assert info["clusterings_screened"] == screened, polish
+
+
 def test_alternating_swap_refinement_ends_where_no_swap_helps() -> None:
     """Sem-MoE's swap refinement ran 200 random single-expert trials, about a tenth of the
     swap pairs at 64 experts on 16 devices, and stopped far from where its own score stops
