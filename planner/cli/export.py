@@ -12,6 +12,7 @@ from planner._io import check_output
 from planner.cli.app import app, console, err_console, print_json, typed
 from planner.errors import InputError, SchemaError
 from planner.evaluate import EvalConfig, evaluate_bundle
+from planner.evaluate.compare import against_deployed
 from planner.evaluate.plots import check_plot_path, plot_evaluation
 from planner.export import FORMATS, export_plan, load_tables, verify_bundle
 from planner.export.bundle import check_bundle_output
@@ -162,6 +163,27 @@ def metrics_table(report: dict, title: str) -> Table:
     return table
 
 
+def _against_line(v: dict, lar_balanced: float, against: str) -> str:
+    """What ``evaluate --against`` concludes (``v``: :func:`against_deployed`'s result)."""
+    ci = v["ratio_ci90"]
+    ratio = "-" if v["ratio"] is None else f"{v['ratio']:.3f}"
+    if ci is not None:
+        ratio += f" (90% interval {ci[0]:.3f}-{ci[1]:.3f} over {v['requests']} requests)"
+    noise = "the noise of which requests were held out"
+    verdict = {
+        "better": f"better beyond {noise}",
+        "worse": f"worse beyond {noise}",
+        "level": f"level with it, within {noise}",
+    }[v["verdict"]]
+    moved = f"rolling it out moves {v['experts_moved']} of {v['experts']} experts to another device"
+    if v["experts_moved_aligned"] < v["experts_moved"]:
+        moved += f" ({v['experts_moved_aligned']} aligned: moeplan solve --align-to {against})"
+    return (
+        f"against {against}: balanced LAR {lar_balanced:.4f} vs "
+        f"{v['deployed']['lar_balanced']:.4f}, ratio {ratio}: {verdict}; {moved}"
+    )
+
+
 @app.command("evaluate")
 def evaluate(
     plan: str = typer.Argument(..., help="Plan or bundle directory."),
@@ -182,26 +204,43 @@ def evaluate(
     plot: str = typer.Option(
         None, "--plot", help="Also draw the per-layer LAR and imbalance to this .png/.svg/.pdf."
     ),
+    against: str = typer.Option(
+        None,
+        "--against",
+        help="The plan or bundle deployed now: score it on the same traffic and say whether "
+        "this plan beats it beyond the noise of which requests were held out (90% paired "
+        "bootstrap), and how many experts rolling this plan out moves.",
+    ),
 ) -> None:
     """LAR (token, n-gram, online, balanced, vanilla), imbalance, remote traffic and the oracle bound."""
     config = EvalConfig(batch_tokens, slack, hidden_size, dtype_bytes)  # checks the values
     if plot:
-        check_plot_path(plot, inputs=(plan, heldout))
+        check_plot_path(plot, inputs=tuple(filter(None, (plan, heldout, against))))
     bundle = load_tables(plan)
+    deployed = None if against is None else load_tables(against)
     trace = open_trace(heldout)
     if not trace.num_rows:  # as compare: every figure would be empty
         raise InputError(f"held-out trace {heldout} holds no tokens; nothing to evaluate on")
-    report = evaluate_bundle(bundle, trace, config, progress=not as_json)
+    versus = None
+    if deployed is not None:
+        versus = against_deployed(bundle, deployed, trace, config, progress=not as_json)
+        report = versus.pop("report")
+    else:
+        report = evaluate_bundle(bundle, trace, config, progress=not as_json)
     if plot:
         balanced = report["overall"]["lar_balanced"]
         title = f"{bundle.method}, EP {bundle.ep_size}: balanced LAR {balanced:.3f}"
         err_console.print(f"plot: {plot_evaluation(report, plot, title)}", markup=False)
     if as_json:
-        print_json(report)
+        print_json(report if versus is None else {**report, "against": versus})
         return
     console.print(
         metrics_table(report, f"{plan} on {heldout} (EP {bundle.ep_size}, method {bundle.method})")
     )
+    if versus is not None:
+        console.print(
+            _against_line(versus, report["overall"]["lar_balanced"], against), soft_wrap=True
+        )
     ov = report["overall"]
     if ov.get("all_to_all_bytes") is not None:
         console.print(

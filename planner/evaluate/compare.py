@@ -1,4 +1,5 @@
-"""``moeplan compare``: solve with several methods and score each plan on one held-out trace."""
+"""``moeplan compare``: solve with several methods and score each plan on one held-out trace;
+``moeplan evaluate --against``: a new plan against the one deployed, on fresh traffic."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import time
 import numpy as np
 from scipy import stats
 
-from planner.errors import InputError
+from planner.errors import InputError, MismatchError
 from planner.evaluate.metrics import EvalConfig, evaluate_bundle
 from planner.export.api import bundle_from_plan
+from planner.export.bundle import Bundle
 from planner.predict.predictor import Predictor
 from planner.predict.reliability import unseen_share
+from planner.solve.align import device_maps, experts_moved
 from planner.solve.pipeline import PlanConfig, make_plan
 from planner.trace.io import Trace
 
@@ -200,4 +203,73 @@ def compare_methods(
         "ep_size": config.ep_size,
         "requests": len(next(iter(per_request.values()), ())),
         "unseen_tokens": unseen_tokens(predictor, heldout),
+    }
+
+
+def against_deployed(
+    bundle: Bundle,
+    deployed: Bundle,
+    heldout: Trace,
+    eval_config: EvalConfig | None = None,
+    *,
+    progress: bool = False,
+) -> dict:
+    """Whether ``bundle`` (a plan solved again, say from last night's traces) should replace
+    ``deployed``: both scored on the same held-out traffic, and what rolling it out moves.
+
+    The balanced LAR's ratio comes with its 90% paired-bootstrap interval over the held-out
+    requests (:func:`ratio_interval`): a plan fitted on fresh traffic of the same kind is
+    often level with the one it would replace, and the interval says whether a difference is
+    more than the luck of which requests were held out.
+
+    Returns:
+        ``{"report": the new plan's evaluate_bundle report (without per-request figures),
+        "deployed": the deployed plan's overall metrics, "ratio", "ratio_ci90",
+        "verdict": "better" | "worse" | "level" (the interval above 1, below 1, or holding
+        it; "level" too with fewer than 2 requests), "requests": R, "experts": L*N,
+        "experts_moved": experts on another device than deployed, "experts_moved_aligned":
+        the same had the new plan's devices been aligned (:mod:`planner.solve.align`)}``.
+
+    Raises:
+        MismatchError: the plans were made for different models.
+        InputError: the plans differ in EP size, or the trace holds no tokens.
+    """
+    if bundle.meta.fingerprint() != deployed.meta.fingerprint():
+        raise MismatchError(
+            f"the deployed plan was made for model {deployed.meta.model!r}, the new one for "
+            f"{bundle.meta.model!r} (fingerprints differ)"
+        )
+    if bundle.ep_size != deployed.ep_size:
+        raise InputError(
+            f"the deployed plan is for EP {deployed.ep_size}, the new one for EP "
+            f"{bundle.ep_size}: compare plans of one deployment"
+        )
+    if not heldout.num_rows:
+        raise InputError(f"held-out trace {heldout.path} holds no tokens; nothing to compare on")
+    heldout.request_ids()  # a repeated (request, position) is refused before the work
+    cfg = dataclasses.replace(eval_config or EvalConfig(), per_request=True)
+    report = evaluate_bundle(bundle, heldout, cfg, progress=progress)
+    old = evaluate_bundle(deployed, heldout, cfg, progress=progress, oracle=False)
+    local_new = np.asarray(report.pop("per_request")["local_balanced"], np.float64)
+    local_old = np.asarray(old.pop("per_request")["local_balanced"], np.float64)
+    new_lar, old_lar = report["overall"]["lar_balanced"], old["overall"]["lar_balanced"]
+    ci = ratio_interval(local_new, local_old)
+    verdict = "level"
+    if ci is not None and ci[0] > 1:
+        verdict = "better"
+    elif ci is not None and ci[1] < 1:
+        verdict = "worse"
+    x, ref = bundle.expert_to_device, deployed.expert_to_device
+    sigma = device_maps(x, ref, bundle.ep_size)
+    aligned = sigma[np.arange(x.shape[0])[:, None], x.astype(np.int64)]
+    return {
+        "report": report,
+        "deployed": old["overall"],
+        "ratio": round(new_lar / old_lar, 4) if old_lar else None,
+        "ratio_ci90": None if ci is None else [round(ci[0], 4), round(ci[1], 4)],
+        "verdict": verdict,
+        "requests": int(local_new.size),
+        "experts": int(x.size),
+        "experts_moved": int(experts_moved(x, ref).sum()),
+        "experts_moved_aligned": int(experts_moved(aligned, ref).sum()),
     }
