@@ -110,12 +110,13 @@ class _Acc:
         # per batch, before the cap: what the runtime sees (the trace-wide figure lets over-
         # and under-loaded batches cancel), per layer: the heaviest device's tokens summed
         # over batches (over the batches' tokens, x E: the token-weighted mean of max/mean,
-        # so that a last batch of a few tokens weighs a few tokens), and the worst whole
-        # batch's max/mean (a last batch of t < E tokens reads at least E/t; it counts only
-        # where no batch is whole)
+        # so that a last batch of a few tokens weighs a few tokens), and the worst max/mean
+        # of a batch at least half full (a last batch of t < E tokens reads at least E/t; a
+        # shorter one counts only where no batch is half full)
         self.batch_heaviest = z(big_l)
         self.batch_tokens = 0
         self.batch_imbalance_worst = z(big_l)
+        self.half_full_batches = 0
         self.short_batch_worst = z(big_l)
         self.unknown = 0  # occurrences of id -1: the oracle bound counts each as its own token
         # each (layer, token, routed expert) of the oracle bound, as the fit counts them
@@ -297,7 +298,8 @@ def _evaluate_chunk(
                 acc.batch_heaviest += counts.max(axis=1)
                 acc.batch_tokens += t
                 imb = counts.max(axis=1) * e / t  # max / mean, [L]
-                if t >= cfg.batch_tokens:
+                if 2 * t >= cfg.batch_tokens:
+                    acc.half_full_batches += 1
                     acc.batch_imbalance_worst = np.maximum(acc.batch_imbalance_worst, imb)
                 else:
                     acc.short_batch_worst = np.maximum(acc.short_batch_worst, imb)
@@ -317,8 +319,7 @@ def _imbalance(load: np.ndarray) -> np.ndarray:
 def _report(acc: _Acc, bundle: Bundle, cfg: EvalConfig, k: int, per_device: int) -> dict:
     occ = acc.occurrences * k
     e = bundle.ep_size
-    whole = acc.batch_tokens >= cfg.batch_tokens  # some batch was whole
-    worst = acc.batch_imbalance_worst if whole else acc.short_batch_worst
+    worst = acc.batch_imbalance_worst if acc.half_full_batches else acc.short_batch_worst
     # [L, 2] (hosted, total): per token its top-(N/E) expert counts; NaN reports as None
     oracle = np.full((occ.shape[0], 2), np.nan)
     if acc.oracle_counts is not None:
