@@ -8,8 +8,13 @@ import numpy as np
 from rich.table import Table
 from rich.text import Text
 
-from planner.trace.io import TraceBatch, open_trace
+from planner.trace.io import DEFAULT_BATCH_ROWS, TraceBatch, open_trace
 from planner.trace.schema import TraceMeta
+
+# Routed-expert cells (rows x L x k) per batch `trace info` reads: pyarrow's decoding of the
+# list columns holds several copies of a batch, so a fixed row count made the peak follow
+# the model's width (a 65536-row batch of a 48-layer top-8 trace: 0.7 GB in the reader).
+INFO_BATCH_CELLS = 2**22
 
 
 def load_skewness(load: np.ndarray) -> np.ndarray:
@@ -37,9 +42,11 @@ class LoadAccumulator:
         self._seen_tokens = np.zeros(0, np.int64)
 
     def add(self, batch: TraceBatch) -> None:
-        n, big_l = self.meta.num_experts, self.meta.num_layers
-        flat = batch.experts.astype(np.int64) + (np.arange(big_l) * n)[None, :, None]
-        self.load += np.bincount(flat.ravel(), minlength=big_l * n).reshape(big_l, n)
+        n = self.meta.num_experts
+        # One layer at a time: an int64 copy of the whole [T, L, k] block (the flat ids of
+        # one bincount) took 400 MB beside a 65536-row batch of a 48-layer top-8 model.
+        for layer in range(self.meta.num_layers):
+            self.load[layer] += np.bincount(batch.experts[:, layer, :].ravel(), minlength=n)
         self.tokens += len(batch)
         self._requests.update(np.unique(batch.request_id).tolist())
         known = batch.token_id[batch.token_id >= 0]
@@ -68,7 +75,8 @@ def trace_summary(path: str | Path) -> dict:
     trace = open_trace(path)
     trace.request_ids()  # refuses a repeated (request, position) occurrence
     acc = LoadAccumulator(trace.meta)
-    for batch in trace.iter_batches():
+    width = trace.meta.num_layers * trace.meta.top_k
+    for batch in trace.iter_batches(min(DEFAULT_BATCH_ROWS, max(1024, INFO_BATCH_CELLS // width))):
         acc.add(batch)
     m = trace.meta
     size = sum(p.stat().st_size for p in trace.parts)

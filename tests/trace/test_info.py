@@ -87,3 +87,50 @@ def test_user_text_is_not_read_as_rich_markup(tmp_path):
     Console(file=buf, width=200, markup=True).print(render_summary(trace_summary(path)))
     text = buf.getvalue()
     assert "org/[/bold]m" in text and "[red]runs" in text
+
+
+def test_load_counts_do_not_copy_the_whole_batch_as_int64():
+    # A 48-layer top-8 trace's 65536-row batch is 50 MB of int16 experts; the load counts
+    # had made an int64 copy of it (and more): 400 MB of `trace info`'s 1.4 GB peak.
+    from planner.trace.info import LoadAccumulator
+
+    meta = TraceMeta("m", num_layers=64, num_experts=128, top_k=8, vocab_size=100)
+    rng = np.random.default_rng(0)
+    t = 4096
+    experts = np.argsort(rng.random((t, 64, 128)), axis=2)[:, :, :8].astype(np.int16)
+    batch = TraceBatch.from_arrays(
+        np.zeros(t, np.int64), np.arange(t), np.zeros(t, np.int32), experts, np.ones(experts.shape)
+    )
+    acc = LoadAccumulator(meta)
+    tracemalloc.start()
+    try:
+        acc.add(batch)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    want = np.stack([np.bincount(experts[:, layer].ravel(), minlength=128) for layer in range(64)])
+    np.testing.assert_array_equal(acc.load, want)
+    assert peak < experts.nbytes, (peak, experts.nbytes)
+
+
+def test_summary_reads_wide_traces_in_smaller_batches(tmp_path, monkeypatch):
+    # pyarrow holds several copies of a batch while decoding the list columns: 65536 rows
+    # of a 48-layer top-8 trace took 0.7 GB; batches are sized by their expert cells.
+    from planner.trace import info
+    from planner.trace.io import Trace
+
+    meta = TraceMeta("m", num_layers=48, num_experts=128, top_k=8, vocab_size=100)
+    experts = np.tile(np.arange(8, dtype=np.int16), (3, 48, 1))
+    batch = TraceBatch.from_arrays([0, 0, 1], [0, 1, 0], [1, 2, 3], experts, np.ones((3, 48, 8)))
+    path = write_trace(tmp_path / "t.parquet", meta, batch)
+    asked = []
+    original = Trace.iter_batches
+
+    def spy(self, batch_rows=65536, **kw):
+        asked.append(batch_rows)
+        return original(self, batch_rows, **kw)
+
+    monkeypatch.setattr(Trace, "iter_batches", spy)
+    s = trace_summary(path)
+    assert s["tokens"] == 3 and s["expert_load"][0][:9] == [3] * 8 + [0]
+    assert asked and all(rows * 48 * 8 <= info.INFO_BATCH_CELLS for rows in asked), asked
