@@ -260,3 +260,43 @@ def test_thinned_counts_keep_seen_tokens_weighing_and_shares_per_layer():
         np.testing.assert_array_equal(
             size, np.bincount(rows[mat.data / own[rows] >= 0.5], minlength=v)
         )
+
+
+def test_saved_tables_use_int32_where_it_fits(exact_trace):
+    # indptr is [L, V+1] whatever the trace: int64 (with int64 counts) made it most of a
+    # predictor fitted on a short trace of a large vocabulary. int32 reads back the same.
+    path, _ = exact_trace
+    trace = open_trace(path)
+    acc = CountsAccumulator(trace.meta)
+    batch = trace.read_all()
+    acc.add(batch.token_id, batch.experts)
+    aff = TokenExpertAffinity(confident_threshold=0.3).fit(acc.result())
+    tensors = aff.to_tensors()
+    for prefix in ("", "top1_"):
+        assert tensors[prefix + "indptr"].dtype == np.int32
+        assert tensors[prefix + "data"].dtype == np.int32
+    back = TokenExpertAffinity.from_tensors(
+        trace.meta, tensors, fallback=aff.fallback_, confident_threshold=0.3
+    )
+    for layer in range(trace.meta.num_layers):
+        assert (back.counts_[layer] != aff.counts_[layer]).nnz == 0
+        assert back.counts_[layer].data.dtype == np.int64
+    # a predictor saved before (int64 arrays) still loads
+    wide = {k: (v.astype(np.int64) if k.endswith(("indptr", "data")) else v)
+            for k, v in tensors.items()}  # fmt: skip
+    old = TokenExpertAffinity.from_tensors(
+        trace.meta, wide, fallback=aff.fallback_, confident_threshold=0.3
+    )
+    assert all((old.counts_[i] != aff.counts_[i]).nnz == 0 for i in range(trace.meta.num_layers))
+
+
+def test_counts_beyond_int32_stay_int64():
+    from scipy import sparse
+
+    from planner._safetensors import joined
+    from planner.predict.affinity import _pack_csr
+
+    m = sparse.csr_array(np.array([[0, 2**31 + 5], [1, 0]], np.int64))
+    out = _pack_csr((m,), "")
+    assert joined(out["data"]).dtype == np.int64 and joined(out["data"]).max() == 2**31 + 5
+    assert out["indptr"].dtype == np.int32
