@@ -8,13 +8,8 @@ import numpy as np
 from rich.table import Table
 from rich.text import Text
 
-from planner.trace.io import DEFAULT_BATCH_ROWS, TraceBatch, open_trace
+from planner.trace.io import TraceBatch, batch_rows_for, open_trace
 from planner.trace.schema import TraceMeta
-
-# Routed-expert cells (rows x L x k) per batch `trace info` reads: pyarrow's decoding of the
-# list columns holds several copies of a batch, so a fixed row count made the peak follow
-# the model's width (a 65536-row batch of a 48-layer top-8 trace: 0.7 GB in the reader).
-INFO_BATCH_CELLS = 2**22
 
 
 def load_skewness(load: np.ndarray) -> np.ndarray:
@@ -75,8 +70,7 @@ def trace_summary(path: str | Path) -> dict:
     trace = open_trace(path)
     trace.request_ids()  # refuses a repeated (request, position) occurrence
     acc = LoadAccumulator(trace.meta)
-    width = trace.meta.num_layers * trace.meta.top_k
-    for batch in trace.iter_batches(min(DEFAULT_BATCH_ROWS, max(1024, INFO_BATCH_CELLS // width))):
+    for batch in trace.iter_batches(batch_rows_for(trace.meta)):
         acc.add(batch)
     m = trace.meta
     size = sum(p.stat().st_size for p in trace.parts)

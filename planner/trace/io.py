@@ -40,6 +40,19 @@ EMBEDDINGS_FILE = "embeddings.safetensors"
 TRACE_MEMBERS = (PART_GLOB, PROFILE_SETTINGS_FILE, EMBEDDINGS_FILE)
 _PART_RE = re.compile(r"^part-(\d+)\.parquet$")
 DEFAULT_BATCH_ROWS = 65536
+# Routed-expert cells (rows x L x k) per batch of the stages that read every column
+# (`trace info`, `trace split`): pyarrow's decoding of the list columns holds several copies
+# of a batch, so a fixed row count made their peak follow the model's width (65536 rows of
+# a 48-layer top-8 trace: 0.7 GB in the reader, 1.0 GB through a split).
+WIDE_BATCH_CELLS = 2**22
+
+
+def batch_rows_for(meta: TraceMeta, cells: int = WIDE_BATCH_CELLS) -> int:
+    """Rows per batch holding about ``cells`` routed experts: DEFAULT_BATCH_ROWS for a
+    narrow model, fewer for a wide one (at least 1024)."""
+    return min(DEFAULT_BATCH_ROWS, max(1024, cells // max(1, meta.num_layers * meta.top_k)))
+
+
 _INT32 = np.iinfo(np.int32)
 
 

@@ -116,8 +116,7 @@ def test_load_counts_do_not_copy_the_whole_batch_as_int64():
 def test_summary_reads_wide_traces_in_smaller_batches(tmp_path, monkeypatch):
     # pyarrow holds several copies of a batch while decoding the list columns: 65536 rows
     # of a 48-layer top-8 trace took 0.7 GB; batches are sized by their expert cells.
-    from planner.trace import info
-    from planner.trace.io import Trace
+    from planner.trace.io import WIDE_BATCH_CELLS, Trace
 
     meta = TraceMeta("m", num_layers=48, num_experts=128, top_k=8, vocab_size=100)
     experts = np.tile(np.arange(8, dtype=np.int16), (3, 48, 1))
@@ -133,4 +132,4 @@ def test_summary_reads_wide_traces_in_smaller_batches(tmp_path, monkeypatch):
     monkeypatch.setattr(Trace, "iter_batches", spy)
     s = trace_summary(path)
     assert s["tokens"] == 3 and s["expert_load"][0][:9] == [3] * 8 + [0]
-    assert asked and all(rows * 48 * 8 <= info.INFO_BATCH_CELLS for rows in asked), asked
+    assert asked and all(rows * 48 * 8 <= WIDE_BATCH_CELLS for rows in asked), asked
