@@ -16,7 +16,8 @@ dev_d`` with ``dev_d >= |load_d - S/E|`` ("penalty" mode). Constraints (named as
 - ``token_once_j``: ``sum_d y[j, d] = 1``;
 - ``load_d``: ``sum_j a_j y[j, d] <= beta S / E`` (cap mode). When no placement fits
   because tokens are indivisible, the program is solved again, first with each token's load
-  counted as at most the cap (a token heavier than the cap fills a device alone), then
+  counted as at most the cap (a token heavier than the cap fills a device alone; where one
+  is, no program meets the plain cap, and this rule is the first program solved), then
   under the heaviest load its start (the shared assignment) reached, where that is lower
   than the next rule's, then with the cap raised by the heaviest token on every device (the
   slack rule of :mod:`planner.solve.problem`); ``info["token_rule"]`` (``cap``,
@@ -154,7 +155,13 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     symmetry = bool(opts["symmetry_breaking"])
     capacity = sub.capacity
     start = _start(sub) if opts["start"] else None
-    prog, x_vars, y_vars = build_program(sub, symmetry_breaking=symmetry, start=start)
+    # a token heavier than the cap: no program meets the cap, and proving so can take HiGHS
+    # the whole time limit (3 s of a Qwen1.5-MoE-shaped layer's, before the fallback ran
+    # over it by 6 s); it is solved under the heavy-fill rule from the start
+    heavy = bool(sub.balance == "cap" and sub.num_tokens and sub.token_freq.max() > capacity)
+    prog, x_vars, y_vars = build_program(
+        sub, symmetry_breaking=symmetry, heavy_fill=heavy, start=start
+    )
     if opts["lp_path"] is not None:
         lp_path = check_lp_path(str(opts["lp_path"]))
         if problem.layer is not None:
@@ -164,8 +171,8 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     solve_started = time.perf_counter()
     with native_stdout(bool(opts["msg"])):
         prog.solve(solver)
-    status = _checked_status(prog, sub, y_vars, capacity, solver=solver, since=solve_started)
-    token_rule = "cap"
+    status = _checked_status(prog, sub, y_vars, capacity, heavy, solver=solver, since=solve_started)
+    token_rule = "heavy_fill" if heavy else "cap"
     # no point found in time while the start breaks the cap (the shared assignment could not
     # meet it either): as if infeasible, the fallbacks start from a point they admit
     unproven = (
@@ -185,8 +192,6 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
             )
             if reached < sub.capacity + sub.load_slack:
                 fallbacks.insert(0, ("start_load", reached, False))
-        if sub.num_tokens and sub.token_freq.max() > sub.capacity:
-            fallbacks.insert(0, ("heavy_fill", sub.capacity, True))
         for rule, capacity, heavy_fill in fallbacks:
             token_rule = rule
             prog, x_vars, y_vars = build_program(

@@ -127,6 +127,26 @@ def test_ilp_with_a_token_over_the_cap_keeps_the_other_devices_within_it() -> No
     assert 0.97 * exact.objective <= ceo.objective <= exact.objective * (1 + 1e-9)
 
 
+def test_ilp_with_a_token_over_the_cap_solves_the_heavy_fill_program_only(monkeypatch) -> None:
+    # no program meets a cap below one token's load: the ILP solved that one first, and HiGHS
+    # could spend the whole time limit proving it (a Qwen1.5-MoE-shaped layer at EP 12 and a
+    # 3 s limit: 3 s, then the fallback, 6 s over the limit instead of 2)
+    problem = random_problem(40, 8, 4, top_k=2, seed=2, clusters=4, zipf=1.5, max_freq=500)
+    from planner.solve import ilp
+
+    assert problem.token_freq.max() > problem.capacity
+    built = []
+    real = ilp.build_program
+
+    def counting(*args, **kwargs):
+        built.append(kwargs.get("heavy_fill", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ilp, "build_program", counting)
+    p = solve_layer(problem, "ilp", SolverConfig(time_limit=30))
+    assert built == [True] and p.info["token_rule"] == "heavy_fill"
+
+
 def _tiny(seed: int, e: int) -> LayerProblem:
     return random_problem(12, 8, e, top_k=2, seed=seed, max_freq=6, zipf=0.5, noise=0.3)
 
