@@ -60,6 +60,12 @@ def synth(
     domains: int | None = typer.Option(None, "--domains", help="Request domains D."),
     seed: int | None = typer.Option(None, "--seed", help="Seed of every random choice."),
     model: str | None = typer.Option(None, "--model", help="Model name in the trace metadata."),
+    first_moe_layer: int | None = typer.Option(
+        None,
+        "--first-moe-layer",
+        help="Model layer index of the first MoE layer (dense layers before it, as "
+        "DeepSeek-V2-Lite's one or DeepSeek-V3's three).",
+    ),
     rows_per_part: int = typer.Option(1_000_000, "--rows-per-part", help="Rows per part file."),
     force: bool = typer.Option(False, "--force", help="Replace --out if it exists."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
@@ -82,6 +88,7 @@ def synth(
         num_domains=domains,
         seed=seed,
         model=model,
+        first_moe_layer=first_moe_layer,
     )
     summary = timed_synthesize(
         config, out, rows_per_part=rows_per_part, progress=True, overwrite=force

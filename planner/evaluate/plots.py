@@ -145,7 +145,7 @@ def plot_evaluation(report: dict, dest: str | os.PathLike, title: str = "") -> P
     highest = max((v for v in tok + exp if v == v), default=1.0)  # v == v: not NaN
     bottom.set_ylim(0, 1.45 * highest)  # room for the legend above the bars
     bottom.set_ylabel("max / mean")
-    bottom.set_xlabel("MoE layer")
+    bottom.set_xlabel("model layer (its MoE layers)")
     bottom.legend(fontsize=8, ncol=2, loc="upper left")
     return _save(fig, dest)
 
@@ -177,7 +177,7 @@ def plot_expert_load(summary: dict, dest: str | os.PathLike, title: str = "") ->
     step = max(1, big_l // 16)
     ax.set_yticks(range(0, big_l, step), [str(layers[i]) for i in range(0, big_l, step)])
     ax.set_xlabel("expert")
-    ax.set_ylabel("MoE layer")
+    ax.set_ylabel("model layer (its MoE layers)")
     skew = summary.get("skewness_mean")
     ax.set_title(title or f"{summary.get('model', '')}: mean skewness (max/mean) {skew}")
     return _save(fig, dest)

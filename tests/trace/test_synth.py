@@ -264,6 +264,11 @@ def test_cli_synth(tmp_path, capsys):
     assert summary["tokens"] == 500 and summary["num_experts"] == 8
     meta = open_trace(out).meta
     assert SynthConfig.from_json(meta.source).seed == 3
+    assert meta.moe_layer_indices == (0, 1, 2)
+    dense_first = [*args[:3], str(tmp_path / "d.parquet"), *args[4:], "--first-moe-layer", "1"]
+    assert main(dense_first) == 0  # a DeepSeek-V2-Lite-like model: layer 0 is dense
+    capsys.readouterr()
+    assert open_trace(tmp_path / "d.parquet").meta.moe_layer_indices == (1, 2, 3)
     assert main(["trace", "synth", "--out", str(tmp_path / "x"), "--top-k", "65"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
