@@ -74,7 +74,12 @@ def fit(
         "--ngram-routed",
         help="Keep every routed expert in the n-gram statistics (better n-gram tables, slower fit).",
     ),
-    batch_rows: int = typer.Option(65536, "--batch-rows", help="Trace rows per chunk."),
+    batch_rows: int | None = typer.Option(
+        None,
+        "--batch-rows",
+        help="Trace rows per chunk (default: 65536, fewer for a wide model); memory only, "
+        "the predictor does not depend on it.",
+    ),
     batch_tokens: int = typer.Option(
         4096, "--batch-tokens", help="Tokens per runtime batch, for the fitting batches' mix."
     ),

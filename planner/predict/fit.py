@@ -44,7 +44,7 @@ from planner.predict.reliability import (
     spread_to_layers,
 )
 from planner.predict.split import RequestSplit, check_fraction, check_seed, thin_counts
-from planner.trace.io import DEFAULT_BATCH_ROWS, EMBEDDINGS_FILE, open_trace
+from planner.trace.io import EMBEDDINGS_FILE, batch_rows_for, open_trace
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,9 @@ class FitConfig:
             else the top-1 expert only (the paper's statistic).
         ep_size, ngram_order: the indicative n-gram figure of the report uses the
             contiguous placement on ``ep_size`` devices.
-        batch_rows: trace rows per chunk.
+        batch_rows: trace rows per chunk (None: :func:`planner.trace.io.batch_rows_for`,
+            65536 rows for a narrow model, fewer for a wide one, so that the reader's peak
+            does not follow the model's width). The predictor does not depend on it.
         batch_tokens: tokens per runtime batch; the fitting rows in trace order are cut into
             batches of this size (:mod:`planner.predict.batches`).
         token_reliability: traces only: estimate each layer's token shrinkage m from two
@@ -94,7 +96,7 @@ class FitConfig:
     ep_size: int = 8
     ngram_order: int = 2
     ngram_routed: bool = False
-    batch_rows: int = DEFAULT_BATCH_ROWS
+    batch_rows: int | None = None
     batch_tokens: int = BATCH_TOKENS
     token_reliability: bool = True
     counts: CountsSelection = field(default_factory=CountsSelection)
@@ -117,12 +119,15 @@ def fit_predictor(path: str | Path, config: FitConfig = FitConfig()) -> FitResul
         raise InputError(f"seed {config.seed!r} must be below 2**64 - {FOLD_SEED_OFFSET}")
     for name in ("batch_rows", "batch_tokens"):  # as evaluate's batch_tokens
         value = getattr(config, name)
+        if name == "batch_rows" and value is None:
+            continue
         if not is_integer(value) or not 1 <= value <= 2**40:
             raise InputError(f"{name}={value!r} must be an integer in [1, 2**40]")
     # as Python numbers: they go to the predictor's JSON as they are
     config = replace(
         config, holdout=holdout, seed=check_seed(config.seed),
-        batch_rows=int(config.batch_rows), batch_tokens=int(config.batch_tokens),
+        batch_rows=None if config.batch_rows is None else int(config.batch_rows),
+        batch_tokens=int(config.batch_tokens),
     )  # fmt: skip
     if not is_integer(config.ep_size) or config.ep_size < 1:
         raise InputError(f"ep_size={config.ep_size!r} must be a positive integer")
@@ -185,6 +190,7 @@ def _fit_components(
 def _fit_trace(path: Path, config: FitConfig) -> FitResult:
     trace = open_trace(path)
     meta = trace.meta
+    rows = batch_rows_for(meta) if config.batch_rows is None else config.batch_rows
     check_vocab_fits(meta, str(path))
     if config.embeddings:  # a wrong file is refused before the pass; read after it
         load_embeddings(config.embeddings, meta.vocab_size, meta.fingerprint(), header_only=True)
@@ -219,7 +225,7 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
     fit_tokens = 0
     t0 = time.perf_counter()
     with progress_bar(config.progress, "fitting", trace.num_rows, unit="tokens") as advance:
-        for batch in trace.iter_batches(config.batch_rows, weights=False):
+        for batch in trace.iter_batches(rows, weights=False):
             advance(len(batch))
             if split is not None:
                 batch = batch.select(~split.heldout_mask(batch.request_id))
@@ -284,7 +290,7 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
         with progress_bar(
             config.progress, "scoring held-out", trace.num_rows, unit="tokens"
         ) as advance:
-            for batch in trace.iter_batches(config.batch_rows, weights=False):
+            for batch in trace.iter_batches(rows, weights=False):
                 advance(len(batch))
                 held = batch.select(split.heldout_mask(batch.request_id))
                 if len(held):
