@@ -71,3 +71,20 @@ def require(path: Path) -> Path:
     if not path.exists():
         pytest.skip(f"{path} not found (shared/ is not beside the checkout)")
     return path
+
+
+@pytest.fixture
+def batch_rows_asked(monkeypatch) -> list:
+    """The ``batch_rows`` every ``Trace.iter_batches`` call asks for, in call order (the
+    readers' chunk sizes, whose peak memory follows them)."""
+    from planner.trace.io import Trace
+
+    asked: list = []
+    original = Trace.iter_batches
+
+    def spy(self, batch_rows=65536, **kw):
+        asked.append(batch_rows)
+        return original(self, batch_rows, **kw)
+
+    monkeypatch.setattr(Trace, "iter_batches", spy)
+    return asked

@@ -246,12 +246,12 @@ def test_neural_on_unknown_tokens_only_says_why(tmp_path, capsys):
     assert "no occurrence of a known token" in err and "\n" not in err
 
 
-def test_fit_reads_a_wide_model_in_smaller_chunks_and_fits_the_same(tmp_path, monkeypatch):
+def test_fit_reads_a_wide_model_in_smaller_chunks_and_fits_the_same(tmp_path, batch_rows_asked):
     """A fixed 65536-row chunk made fit's peak follow the model's width (a Qwen3-30B-shaped
     trace of 60k tokens, 48 layers x top-8: 1.53 GB, 1.19 GB in chunks of
     ``batch_rows_for``); the predictor is the same whatever the chunk."""
     from planner.predict.fit import FitConfig, fit_predictor
-    from planner.trace.io import Trace, batch_rows_for
+    from planner.trace.io import batch_rows_for
     from planner.trace.synth import SynthConfig, synthesize
 
     trace = synthesize(
@@ -259,17 +259,9 @@ def test_fit_reads_a_wide_model_in_smaller_chunks_and_fits_the_same(tmp_path, mo
                     num_requests=30, seed=2),
         tmp_path / "wide",
     )  # fmt: skip
-    asked = []
-    real = Trace.iter_batches
-
-    def recording(self, batch_rows=65536, **kwargs):
-        asked.append(batch_rows)
-        return real(self, batch_rows, **kwargs)
-
-    monkeypatch.setattr(Trace, "iter_batches", recording)
     auto = fit_predictor(trace, FitConfig(holdout=0.5)).predictor
     wide = batch_rows_for(auto.meta)
-    assert wide < 65536 and set(asked[-2:]) == {wide}  # the fitting pass and the scoring
+    assert wide < 65536 and set(batch_rows_asked[-2:]) == {wide}  # the fitting pass and the scoring
     fixed = fit_predictor(trace, FitConfig(holdout=0.5, batch_rows=700)).predictor
     for name, table in auto.affinity.to_tensors().items():
         np.testing.assert_array_equal(table, fixed.affinity.to_tensors()[name], err_msg=name)

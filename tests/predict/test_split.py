@@ -366,12 +366,12 @@ def test_a_split_replaces_an_existing_trace_only_with_force(tmp_path, exact_trac
     assert main([*args, "--force"]) == 0 and not (fit / "profile.json").exists()
 
 
-def test_split_reads_wide_traces_in_smaller_batches(tmp_path, monkeypatch):
+def test_split_reads_wide_traces_in_smaller_batches(tmp_path, monkeypatch, batch_rows_asked):
     # one part per batch and side; 65536 rows of a 48-layer top-8 trace took a split to
     # 1.0 GB in pyarrow's decoding, so batches are sized by their expert cells
     from planner.predict.split import split_trace
     from planner.trace import TraceBatch, TraceMeta, write_trace
-    from planner.trace.io import WIDE_BATCH_CELLS, Trace, open_trace
+    from planner.trace.io import WIDE_BATCH_CELLS, open_trace
 
     meta = TraceMeta("m", num_layers=48, num_experts=128, top_k=8, vocab_size=100)
     t = 12
@@ -380,16 +380,10 @@ def test_split_reads_wide_traces_in_smaller_batches(tmp_path, monkeypatch):
         np.arange(t) // 2, np.arange(t) % 2, np.arange(t), experts, np.ones((t, 48, 8))
     )
     path = write_trace(tmp_path / "t.parquet", meta, batch)
-    asked = []
-    original = Trace.iter_batches
-
-    def spy(self, batch_rows=65536, **kw):
-        asked.append(batch_rows)
-        return original(self, batch_rows, **kw)
-
-    monkeypatch.setattr(Trace, "iter_batches", spy)
     out = split_trace(path, tmp_path / "a", tmp_path / "b", 0.5)
     assert out["fit_tokens"] + out["heldout_tokens"] == t
-    assert asked and all(rows * 48 * 8 <= WIDE_BATCH_CELLS for rows in asked), asked
+    assert batch_rows_asked and all(
+        rows * 48 * 8 <= WIDE_BATCH_CELLS for rows in batch_rows_asked
+    ), batch_rows_asked
     monkeypatch.undo()
     assert open_trace(tmp_path / "a").num_rows + open_trace(tmp_path / "b").num_rows == t

@@ -113,23 +113,17 @@ def test_load_counts_do_not_copy_the_whole_batch_as_int64():
     assert peak < experts.nbytes, (peak, experts.nbytes)
 
 
-def test_summary_reads_wide_traces_in_smaller_batches(tmp_path, monkeypatch):
+def test_summary_reads_wide_traces_in_smaller_batches(tmp_path, batch_rows_asked):
     # pyarrow holds several copies of a batch while decoding the list columns: 65536 rows
     # of a 48-layer top-8 trace took 0.7 GB; batches are sized by their expert cells.
-    from planner.trace.io import WIDE_BATCH_CELLS, Trace
+    from planner.trace.io import WIDE_BATCH_CELLS
 
     meta = TraceMeta("m", num_layers=48, num_experts=128, top_k=8, vocab_size=100)
     experts = np.tile(np.arange(8, dtype=np.int16), (3, 48, 1))
     batch = TraceBatch.from_arrays([0, 0, 1], [0, 1, 0], [1, 2, 3], experts, np.ones((3, 48, 8)))
     path = write_trace(tmp_path / "t.parquet", meta, batch)
-    asked = []
-    original = Trace.iter_batches
-
-    def spy(self, batch_rows=65536, **kw):
-        asked.append(batch_rows)
-        return original(self, batch_rows, **kw)
-
-    monkeypatch.setattr(Trace, "iter_batches", spy)
     s = trace_summary(path)
     assert s["tokens"] == 3 and s["expert_load"][0][:9] == [3] * 8 + [0]
-    assert asked and all(rows * 48 * 8 <= WIDE_BATCH_CELLS for rows in asked), asked
+    assert batch_rows_asked and all(
+        rows * 48 * 8 <= WIDE_BATCH_CELLS for rows in batch_rows_asked
+    ), batch_rows_asked
