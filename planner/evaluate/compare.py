@@ -15,7 +15,7 @@ from planner.export.api import bundle_from_plan
 from planner.export.bundle import Bundle
 from planner.predict.predictor import Predictor
 from planner.predict.reliability import unseen_share
-from planner.solve.align import device_maps, experts_moved
+from planner.solve.align import device_maps, experts_moved, relabel
 from planner.solve.pipeline import PlanConfig, make_plan
 from planner.trace.io import Trace
 
@@ -260,8 +260,7 @@ def against_deployed(
     elif ci is not None and ci[1] < 1:
         verdict = "worse"
     x, ref = bundle.expert_to_device, deployed.expert_to_device
-    sigma = device_maps(x, ref, bundle.ep_size)
-    aligned = sigma[np.arange(x.shape[0])[:, None], x.astype(np.int64)]
+    aligned = relabel(x, device_maps(x, ref, bundle.ep_size))
     return {
         "report": report,
         "deployed": old["overall"],

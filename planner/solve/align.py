@@ -61,6 +61,12 @@ def device_maps(expert_to_device: np.ndarray, reference: np.ndarray, ep_size: in
     return sigma
 
 
+def relabel(table: np.ndarray, sigma: np.ndarray) -> np.ndarray:
+    """An [L, M] table of devices (experts, tokens or n-gram predictions) with layer l's
+    devices renamed through ``sigma[l]`` ([L, E] from :func:`device_maps`); int64."""
+    return sigma[np.arange(sigma.shape[0])[:, None], np.asarray(table, np.int64)]
+
+
 def experts_moved(expert_to_device: np.ndarray, reference: np.ndarray) -> np.ndarray:
     """[L] number of experts whose device differs between two [L, N] placements."""
     return (np.asarray(expert_to_device) != np.asarray(reference)).sum(axis=1)
@@ -112,13 +118,11 @@ def align_plan(plan: Plan, reference: np.ndarray, reference_fingerprint: str) ->
             "unequal experts per device): align to a plan of the same EP size"
         )
     sigma = device_maps(plan.expert_to_device, ref, e)
-    layers = np.arange(sigma.shape[0])[:, None]
-    x = sigma[layers, plan.expert_to_device.astype(np.int64)]
-    tokens = sigma[layers, plan.token_to_device.astype(np.int64)]
+    x, tokens = relabel(plan.expert_to_device, sigma), relabel(plan.token_to_device, sigma)
     ngram_dev, ngram_conf = plan.ngram_to_device, plan.ngram_confidence
     if ngram_dev is not None and ngram_conf is not None:
         n = plan.ngram_order
-        ngram_dev = relabel_ngram(sigma[layers, ngram_dev.astype(np.int64)], sigma, n)
+        ngram_dev = relabel_ngram(relabel(ngram_dev, sigma), sigma, n)
         ngram_conf = relabel_ngram(ngram_conf, sigma, n)
     before = experts_moved(plan.expert_to_device, ref)
     after = experts_moved(x, ref)
