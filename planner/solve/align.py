@@ -111,8 +111,9 @@ def align_plan(plan: Plan, reference: np.ndarray, reference_fingerprint: str) ->
             f"the reference placement has shape {ref.shape}, the plan {plan.expert_to_device.shape}"
         )
     e = plan.ep_size
-    counts = [np.bincount(row, minlength=e) for row in ref.astype(np.int64)]
-    if ref.size and (ref.min() < 0 or ref.max() >= e or any((c != c[0]).any() for c in counts)):
+    in_range = not ref.size or (ref.min() >= 0 and ref.max() < e)
+    counts = [np.bincount(row, minlength=e) for row in ref.astype(np.int64)] if in_range else []
+    if not in_range or any((c != c[0]).any() for c in counts):
         raise MismatchError(
             f"the reference placement is not one of EP {e} (devices outside [0, {e}) or "
             "unequal experts per device): align to a plan of the same EP size"

@@ -142,6 +142,8 @@ def test_a_reference_of_another_model_or_ep_size_is_refused(plans):
     ep2 = np.tile(np.arange(8) % 2, (4, 1))  # a placement of EP 2: devices 0-1 only
     with pytest.raises(MismatchError, match="EP 4"):
         align_plan(fresh, ep2, deployed.fingerprint)
+    with pytest.raises(MismatchError, match="EP 4"):  # a device id no placement has
+        align_plan(fresh, deployed.expert_to_device - 1, deployed.fingerprint)
 
 
 def test_cli_solve_align_to_a_plan_or_bundle(plans, tmp_path, capsys):
