@@ -77,13 +77,13 @@ def require(path: Path) -> Path:
 def batch_rows_asked(monkeypatch) -> list:
     """The ``batch_rows`` every ``Trace.iter_batches`` call asks for, in call order (the
     readers' chunk sizes, whose peak memory follows them)."""
-    from planner.trace.io import Trace
+    from planner.trace.io import Trace, batch_rows_for
 
     asked: list = []
     original = Trace.iter_batches
 
-    def spy(self, batch_rows=65536, **kw):
-        asked.append(batch_rows)
+    def spy(self, batch_rows=None, **kw):
+        asked.append(batch_rows_for(self.meta) if batch_rows is None else batch_rows)
         return original(self, batch_rows, **kw)
 
     monkeypatch.setattr(Trace, "iter_batches", spy)

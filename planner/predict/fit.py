@@ -44,7 +44,7 @@ from planner.predict.reliability import (
     spread_to_layers,
 )
 from planner.predict.split import RequestSplit, check_fraction, check_seed, thin_counts
-from planner.trace.io import EMBEDDINGS_FILE, batch_rows_for, open_trace
+from planner.trace.io import EMBEDDINGS_FILE, open_trace
 
 
 @dataclass(frozen=True)
@@ -190,7 +190,6 @@ def _fit_components(
 def _fit_trace(path: Path, config: FitConfig) -> FitResult:
     trace = open_trace(path)
     meta = trace.meta
-    rows = batch_rows_for(meta) if config.batch_rows is None else config.batch_rows
     check_vocab_fits(meta, str(path))
     if config.embeddings:  # a wrong file is refused before the pass; read after it
         load_embeddings(config.embeddings, meta.vocab_size, meta.fingerprint(), header_only=True)
@@ -225,7 +224,7 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
     fit_tokens = 0
     t0 = time.perf_counter()
     with progress_bar(config.progress, "fitting", trace.num_rows, unit="tokens") as advance:
-        for batch in trace.iter_batches(rows, weights=False):
+        for batch in trace.iter_batches(config.batch_rows, weights=False):
             advance(len(batch))
             if split is not None:
                 batch = batch.select(~split.heldout_mask(batch.request_id))
@@ -290,7 +289,7 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
         with progress_bar(
             config.progress, "scoring held-out", trace.num_rows, unit="tokens"
         ) as advance:
-            for batch in trace.iter_batches(rows, weights=False):
+            for batch in trace.iter_batches(config.batch_rows, weights=False):
                 advance(len(batch))
                 held = batch.select(split.heldout_mask(batch.request_id))
                 if len(held):

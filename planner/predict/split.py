@@ -34,7 +34,6 @@ from planner.trace.io import (
     PART_GLOB,
     TRACE_MEMBERS,
     TraceWriter,
-    batch_rows_for,
     open_trace,
 )
 
@@ -284,10 +283,9 @@ def _write_sides(trace, fit_out, heldout_out, heldout_mask, overwrite: bool = Fa
         # every extra column some part has; nulls in the parts without it (a column of
         # only some parts was dropped, and a later --heldout-domain then failed)
         extras = tuple(trace.extra_columns(in_any_part=True))
-        # batches sized by their expert cells (one part per batch and side): 65536 rows of
-        # a 48-layer top-8 trace took a split to 1.0 GB, 11k rows to 0.5 GB
-        rows = batch_rows_for(trace.meta)
-        for batch in trace.iter_batches(rows, extras=extras, fill_missing=True):
+        # batches sized by their expert cells (the reader's default; one part per batch and
+        # side): 65536 rows of a 48-layer top-8 trace took a split to 1.0 GB, 11k to 0.5 GB
+        for batch in trace.iter_batches(extras=extras, fill_missing=True):
             held = heldout_mask(batch)
             for side, mask in (("fit", ~held), ("heldout", held)):
                 if mask.any():

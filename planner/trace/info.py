@@ -8,7 +8,7 @@ import numpy as np
 from rich.table import Table
 from rich.text import Text
 
-from planner.trace.io import TraceBatch, batch_rows_for, open_trace
+from planner.trace.io import TraceBatch, open_trace
 from planner.trace.schema import TraceMeta
 
 
@@ -70,7 +70,7 @@ def trace_summary(path: str | Path) -> dict:
     trace = open_trace(path)
     trace.request_ids()  # refuses a repeated (request, position) occurrence
     acc = LoadAccumulator(trace.meta)
-    for batch in trace.iter_batches(batch_rows_for(trace.meta)):
+    for batch in trace.iter_batches():
         acc.add(batch)
     m = trace.meta
     size = sum(p.stat().st_size for p in trace.parts)

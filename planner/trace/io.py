@@ -40,10 +40,11 @@ EMBEDDINGS_FILE = "embeddings.safetensors"
 TRACE_MEMBERS = (PART_GLOB, PROFILE_SETTINGS_FILE, EMBEDDINGS_FILE)
 _PART_RE = re.compile(r"^part-(\d+)\.parquet$")
 DEFAULT_BATCH_ROWS = 65536
-# Routed-expert cells (rows x L x k) per batch of the stages that read every column
-# (`trace info`, `trace split`): pyarrow's decoding of the list columns holds several copies
-# of a batch, so a fixed row count made their peak follow the model's width (65536 rows of
-# a 48-layer top-8 trace: 0.7 GB in the reader, 1.0 GB through a split).
+# Routed-expert cells (rows x L x k) per batch when a reader does not say
+# (Trace.iter_batches): pyarrow's decoding of the list columns holds several copies of a
+# batch, so a fixed row count made the peak follow the model's width (65536 rows of a
+# 48-layer top-8 trace: 0.7 GB in `trace info`'s reader, 1.0 GB through a split, 1.53 GB
+# in a fit of 60k tokens).
 WIDE_BATCH_CELLS = 2**22
 
 
@@ -558,14 +559,15 @@ class Trace:
 
     def iter_batches(
         self,
-        batch_rows: int = DEFAULT_BATCH_ROWS,
+        batch_rows: int | None = None,
         *,
         extras: tuple[str, ...] = (),
         weights: bool = True,
         validate: bool = True,
         fill_missing: bool = False,
     ) -> Iterator[TraceBatch]:
-        """Stream the trace as :class:`TraceBatch` blocks of at most ``batch_rows`` rows.
+        """Stream the trace as :class:`TraceBatch` blocks of at most ``batch_rows`` rows
+        (None: :func:`batch_rows_for` the trace's model, fewer rows for a wide model).
 
         ``weights=False`` skips the gate-weight column (``batch.weights`` is None): pyarrow
         decodes float16 lists several times slower than all other columns together (reading
@@ -577,6 +579,8 @@ class Trace:
         ``trace split`` check every row. ``extras`` a part lacks are refused, or with
         ``fill_missing`` read as nulls (object arrays of None) there.
         """
+        if batch_rows is None:
+            batch_rows = batch_rows_for(self.meta)
         if not is_integer(batch_rows) or not 1 <= batch_rows <= 2**40:
             raise InputError(f"batch_rows={batch_rows!r} must be an integer in [1, 2**40]")
         for part, schema in zip(self.parts, self._schemas, strict=True):
