@@ -144,6 +144,13 @@ def solve(
         "devices, layer by layer, so that the most experts stay where it has them. Nothing "
         "else changes; the experts that change device are reported.",
     ),
+    move_cost: float = typer.Option(
+        0.0,
+        "--move-cost",
+        help="With --align-to: the LAR an expert's move must gain for the plan to move it "
+        "off its deployed device (e.g. 0.002); each layer is settled onto the deployed "
+        "plan as it is solved (0: move freely).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the per-layer reports as JSON."),
 ) -> None:
     """Place every layer's experts on E devices and give every token a device."""
@@ -174,6 +181,8 @@ def solve(
             )
         chain_passes = 0  # a --config file's, for the methods it applies to
     _check_lp_path(opts, inputs, (out,))
+    if move_cost and deployed is None:
+        raise InputError("--move-cost needs --align-to: the deployed plan to count moves from")
     pred = load_predictor(predictor)
     if deployed is not None:  # checked before the work
         if deployed.ep_size != ep:
@@ -185,9 +194,10 @@ def solve(
             )
     config = PlanConfig(
         method, ep, beta, seed, jobs, time_limit, ngram_order, opts, ngram_weight,
-        chain_passes, ngram_defer, expert_beta, polish,
+        chain_passes, ngram_defer, expert_beta, polish, move_cost,
     )  # fmt: skip
-    plan = make_plan(pred, config, progress=not as_json)
+    reference = None if deployed is None else deployed.expert_to_device
+    plan = make_plan(pred, config, progress=not as_json, reference=reference)
     if deployed is not None:
         plan = align_plan(plan, deployed.expert_to_device, deployed.meta.fingerprint())
     plan.save(out)

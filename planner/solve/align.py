@@ -30,12 +30,15 @@ counted: within a device the bundle orders slots by logical expert id
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
 from planner.errors import MismatchError
-from planner.solve.plan import Plan
+
+if TYPE_CHECKING:  # planner.solve.plan settles layers with this module's device_maps
+    from planner.solve.plan import Plan
 
 
 def device_maps(expert_to_device: np.ndarray, reference: np.ndarray, ep_size: int) -> np.ndarray:
@@ -88,6 +91,18 @@ def relabel_ngram(table: np.ndarray, sigma: np.ndarray, order: int) -> np.ndarra
     return out
 
 
+def check_reference(reference: np.ndarray, ep_size: int) -> None:
+    """MismatchError unless ``reference`` [L, N] places N/E experts on each of E devices."""
+    ref, e = np.asarray(reference), ep_size
+    in_range = not ref.size or (ref.min() >= 0 and ref.max() < e)
+    counts = [np.bincount(row, minlength=e) for row in ref.astype(np.int64)] if in_range else []
+    if not in_range or any((c != c[0]).any() for c in counts):
+        raise MismatchError(
+            f"the reference placement is not one of EP {e} (devices outside [0, {e}) or "
+            "unequal experts per device): align to a plan of the same EP size"
+        )
+
+
 def align_plan(plan: Plan, reference: np.ndarray, reference_fingerprint: str) -> Plan:
     """``plan`` relabelled, layer by layer, to keep the most experts where ``reference`` has them.
 
@@ -111,13 +126,7 @@ def align_plan(plan: Plan, reference: np.ndarray, reference_fingerprint: str) ->
             f"the reference placement has shape {ref.shape}, the plan {plan.expert_to_device.shape}"
         )
     e = plan.ep_size
-    in_range = not ref.size or (ref.min() >= 0 and ref.max() < e)
-    counts = [np.bincount(row, minlength=e) for row in ref.astype(np.int64)] if in_range else []
-    if not in_range or any((c != c[0]).any() for c in counts):
-        raise MismatchError(
-            f"the reference placement is not one of EP {e} (devices outside [0, {e}) or "
-            "unequal experts per device): align to a plan of the same EP size"
-        )
+    check_reference(ref, e)
     sigma = device_maps(plan.expert_to_device, ref, e)
     x, tokens = relabel(plan.expert_to_device, sigma), relabel(plan.token_to_device, sigma)
     ngram_dev, ngram_conf = plan.ngram_to_device, plan.ngram_confidence

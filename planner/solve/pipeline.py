@@ -56,10 +56,11 @@ from typing import Any
 import numpy as np
 
 from planner._checks import is_bool, is_integer, is_real
-from planner.errors import InputError
+from planner.errors import InputError, MismatchError
 from planner.predict.ngram import check_table_size, fit_ngram_device_table
 from planner.predict.predictor import Predictor
 from planner.predict.reliability import discounted_share, shrink_confidence, unseen_share
+from planner.solve.align import check_reference
 from planner.solve.expert_balance import expert_imbalance
 from planner.solve.metrics import token_table
 from planner.solve.ngram_term import DEFAULT_WEIGHT, MAX_WEIGHT, NgramTerm
@@ -111,6 +112,10 @@ class PlanConfig:
         polish: end every method but ``ceo`` (which ends with it) and ``vanilla`` with
             CEO's local search (:func:`planner.solve.polish.polish_placement`): how much of
             CEO's lead is its search shows against the baselines polished alike.
+        move_cost: re-planning a deployed model (``make_plan``'s ``reference``): the LAR a
+            layer must gain per expert that leaves its deployed group
+            (:mod:`planner.solve.settle`), e.g. 0.002; 0 (the default) moves experts
+            freely. Needs a reference; not with ``vanilla`` or the chain polish.
     """
 
     method: str = "ceo"
@@ -126,6 +131,7 @@ class PlanConfig:
     ngram_defer: bool = True
     expert_beta: float | None = None
     polish: bool = False
+    move_cost: float = 0.0
 
     def __post_init__(self) -> None:
         check_expert_beta(self.expert_beta)
@@ -138,7 +144,7 @@ class PlanConfig:
             if not is_integer(value):
                 raise InputError(f"{name}={value!r} must be an integer")
             object.__setattr__(self, name, int(value))
-        for name in ("beta", "time_limit", "ngram_weight", "expert_beta"):
+        for name in ("beta", "time_limit", "ngram_weight", "expert_beta", "move_cost"):
             value = getattr(self, name)
             if value is not None and not is_real(value):
                 raise InputError(f"{name}={value!r} must be a number")
@@ -164,6 +170,15 @@ class PlanConfig:
             )
         if self.chain_passes and self.ngram_weight == 0:
             raise InputError("chain_passes needs the n-gram term: ngram_weight must be > 0")
+        if not 0 <= self.move_cost <= 1:
+            raise InputError(f"move_cost={self.move_cost} must be a LAR share in [0, 1]")
+        if self.move_cost and self.method == "vanilla":
+            raise InputError("move_cost does not apply to vanilla (the contiguous layout)")
+        if self.move_cost and self.chain_passes:
+            raise InputError(
+                "move_cost and chain_passes do not combine: the chain polish moves experts "
+                "without counting the moves; use one of them"
+            )
 
     def solver_config(self) -> SolverConfig:
         return SolverConfig(
@@ -236,8 +251,21 @@ def unplaced_share(predictor: Predictor, problems: list[LayerProblem]) -> tuple[
     return tuple(alone * unseen_share(p.token_freq) for p in problems)
 
 
-def make_plan(predictor: Predictor, config: PlanConfig, *, progress: bool = True) -> Plan:
-    """Solve every layer with ``config.method`` and assemble the :class:`Plan`."""
+def make_plan(
+    predictor: Predictor,
+    config: PlanConfig,
+    *,
+    progress: bool = True,
+    reference: np.ndarray | None = None,
+) -> Plan:
+    """Solve every layer with ``config.method`` and assemble the :class:`Plan`.
+
+    ``reference`` ([L, N], the deployed plan's ``expert_to_device``) with
+    ``config.move_cost`` > 0: each layer is solved with the deployed groups as load-free
+    rows (:mod:`planner.solve.settle`), so that experts leave them only where that pays.
+    Align the plan afterwards (:func:`planner.solve.align.align_plan`): it renames the
+    devices and counts the moves.
+    """
     meta = predictor.meta
     n, e = meta.num_experts, config.ep_size
     if e < 1 or e > n or n % e:
@@ -251,6 +279,15 @@ def make_plan(predictor: Predictor, config: PlanConfig, *, progress: bool = True
             "chain_passes needs n-gram transitions, and this predictor has none "
             "(it was fitted on a counts table); solve without it"
         )
+    if config.move_cost and reference is None:
+        raise InputError("move_cost needs the deployed plan to count moves from (--align-to)")
+    if reference is not None:
+        if np.shape(reference) != (meta.num_layers, n):
+            raise MismatchError(
+                f"the deployed placement has shape {np.shape(reference)}, "
+                f"the model {(meta.num_layers, n)}"
+            )
+        check_reference(reference, e)
     t0 = time.perf_counter()
     problems = layer_problems(predictor, e, config.beta)
     # vanilla is the default deployment as it is: no chain polish, fitted n-gram confidences
@@ -272,6 +309,8 @@ def make_plan(predictor: Predictor, config: PlanConfig, *, progress: bool = True
     placements = solve_model(
         problems, config.method, config.solver_config(), jobs=config.jobs, progress=progress,
         ngram_term=term, chain_passes=config.chain_passes if solved else 0,
+        reference=None if reference is None else np.asarray(reference, np.int64),
+        move_cost=config.move_cost,
     )  # fmt: skip
     tables = [vocabulary_table(predictor, p, q) for p, q in zip(problems, placements, strict=True)]
     expert_to_device = np.stack([q.expert_to_device for q in placements])

@@ -48,6 +48,7 @@ from planner.solve.chain import chain_polish
 from planner.solve.ngram_term import NgramTerm, restrict
 from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig
 from planner.solve.registry import get_solver, solve_layer
+from planner.solve.settle import with_deployed, without_deployed
 
 PLAN_FORMAT = "moeplan-plan"
 PLAN_FORMAT_VERSION = 1
@@ -100,6 +101,8 @@ def solve_model(
     progress: bool = True,
     ngram_term: NgramTerm | None = None,
     chain_passes: int = 0,
+    reference: np.ndarray | None = None,
+    move_cost: float = 0.0,
 ) -> list[LayerPlacement]:
     """Solve every layer with ``method``; returns placements in layer order.
 
@@ -115,6 +118,10 @@ def solve_model(
         chain_passes: with ``ngram_term``, sweeps of the chain polish
             (:mod:`planner.solve.chain`) over each run once all its layers are placed;
             0 skips it.
+        reference, move_cost: re-planning a deployed model (:mod:`planner.solve.settle`):
+            with ``move_cost`` > 0 each layer is solved with ``reference``'s groups ([L, N],
+            the deployed device of each expert) as load-free rows, so that an expert leaves
+            its group only where that raises the layer's LAR by ``move_cost`` or more.
     """
     get_solver(method)  # unknown method -> InputError before any work
     config = config if config is not None else SolverConfig()
@@ -128,13 +135,23 @@ def solve_model(
     placed = np.zeros((num_layers, problems[0].num_experts), np.int64)
     results: list[LayerPlacement | None] = [None] * num_layers
 
+    deployed = reference if move_cost > 0 else None
+    extended: dict[int, LayerProblem] = {}  # each layer's problem without the deployed rows
+
     def task(run: list[int], pos: int) -> tuple[LayerProblem, str, SolverConfig]:
         layer, problem = run[pos], problems[run[pos]]
         if ngram_term is not None:
             problem = ngram_term.extend(problem, layer, placed, run[0])
+        if deployed is not None:  # c * A, A the layer's routed activations (planner.solve.settle)
+            extended[layer] = problem
+            bonus = move_cost * problems[layer].total_activations
+            problem = with_deployed(problem, deployed[layer], bonus)
         return problem, method, config.with_seed(layer_seed(config.seed, layer))
 
     def record(layer: int, solved: LayerProblem, placement: LayerPlacement) -> None:
+        if deployed is not None:
+            solved = extended.pop(layer)
+            placement = without_deployed(solved, placement, deployed[layer])
         placement = restrict(problems[layer], solved, placement)
         results[layer] = placement
         placed[layer] = placement.expert_to_device

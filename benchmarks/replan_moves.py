@@ -1,0 +1,132 @@
+"""Re-planning a deployed model: experts moved against balanced LAR, by move cost; JSON.
+
+The nightly job's situation (README, "Re-planning a deployed model"): a plan is serving,
+fresh traces arrive, and a plan solved again from them is rolled out only if it is better,
+moving as few experts as that needs. Each source trace is cut by request into thirds A, B
+and C (``moeplan trace split``, seed ``--seed``). The deployed plan is CEO's, fitted on A
+(``--shift DOMAIN``: on A without that prompt domain, so that the traffic the plan now sees
+has drifted from what it was fitted on). The new plans are CEO's, fitted on B and solved
+with ``--align-to`` the deployed plan at each move cost (``moeplan solve --move-cost C``; 0:
+aligned only, experts move freely). Each is scored against the deployed plan on C
+(``moeplan evaluate --against``): the ratio of balanced LARs with its 90% paired-bootstrap
+interval over C's requests, the verdict, and the experts the rollout moves.
+
+Sources: the example model's trace (16 experts, 6 layers; profiled here from the committed
+model, about a minute) and the real FLAME-MoE trace in ``../shared/realdata/`` (64
+experts, 9 layers). About 30 s per plan on the example, 60-90 s on FLAME-MoE (2 cores).
+
+    python benchmarks/replan_moves.py [--sources example,flame] [--ep 4,8]
+        [--costs 0,0.0005,0.001,0.002,0.005] [--shift numeric] [--seed 7] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from _common import emit_json, run  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from compare_traces import source_trace  # noqa: E402
+
+from planner.evaluate.compare import against_deployed  # noqa: E402
+from planner.export.api import bundle_from_plan  # noqa: E402
+from planner.predict.fit import FitConfig, fit_predictor  # noqa: E402
+from planner.predict.split import split_trace, split_trace_by_domain  # noqa: E402
+from planner.solve.align import align_plan  # noqa: E402
+from planner.solve.pipeline import PlanConfig, make_plan  # noqa: E402
+from planner.trace import open_trace  # noqa: E402
+
+
+def thirds(trace: Path, work: Path, seed: int) -> tuple[Path, Path, Path]:
+    """A, B and C: the trace's requests in three parts (C a third, A and B halves of the rest)."""
+    ab, a, b, c = (work / f"{trace.stem}_{name}" for name in ("ab", "a", "b", "c"))
+    split_trace(trace, ab, c, 1 / 3, seed=seed)
+    split_trace(ab, a, b, 0.5, seed=seed)
+    return a, b, c
+
+
+def run_source(name: str, work: Path, eps: list[int], costs: list[float], shift, seed) -> list:
+    trace = source_trace(name, work)
+    a, b, c = thirds(trace, work, seed)
+    if shift:
+        shifted = work / f"{trace.stem}_a_without_{shift}"
+        split_trace_by_domain(a, shifted, work / f"{trace.stem}_a_{shift}", [shift])
+        a = shifted
+    fit = FitConfig(ngram_routed=True)
+    deployed_predictor = fit_predictor(a, fit).predictor
+    new_predictor = fit_predictor(b, fit).predictor
+    held = open_trace(c)
+    cases = []
+    for ep in eps:
+        deployed = make_plan(deployed_predictor, PlanConfig(ep_size=ep), progress=False)
+        deployed_bundle = bundle_from_plan(deployed)
+        for cost in costs:
+            t0 = time.perf_counter()
+            plan = make_plan(
+                new_predictor, PlanConfig(ep_size=ep, move_cost=cost), progress=False,
+                reference=deployed.expert_to_device,
+            )  # fmt: skip
+            plan = align_plan(plan, deployed.expert_to_device, deployed.fingerprint)
+            seconds = time.perf_counter() - t0
+            versus = against_deployed(bundle_from_plan(plan), deployed_bundle, held)
+            cases.append(
+                {
+                    "source": name,
+                    "ep": ep,
+                    "move_cost": cost,
+                    "experts": versus["experts"],
+                    "experts_moved": versus["experts_moved"],
+                    "ratio": versus["ratio"],
+                    "ratio_ci90": versus["ratio_ci90"],
+                    "verdict": versus["verdict"],
+                    "lar_balanced": versus["report"]["overall"]["lar_balanced"],
+                    "lar_balanced_deployed": versus["deployed"]["lar_balanced"],
+                    "lar_fitting": round(
+                        sum(r["local_rate"] for r in plan.reports) / len(plan.reports), 4
+                    ),
+                    "solve_s": round(seconds, 1),
+                }
+            )
+            print(
+                f"{name} EP {ep} cost {cost:g}: {versus['experts_moved']} of {versus['experts']} "
+                f"moved, ratio {versus['ratio']:.4f} {versus['verdict']}",
+                file=sys.stderr,
+            )
+    return cases
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sources", default="example,flame")
+    ap.add_argument("--ep", default="4,8")
+    ap.add_argument("--costs", default="0,0.0005,0.001,0.002,0.005")
+    ap.add_argument("--shift", default=None, help="a prompt domain the deployed plan never saw")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    eps = [int(v) for v in args.ep.split(",")]
+    costs = [float(v) for v in args.costs.split(",")]
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="moeplan-replan-") as tmp:
+        cases = [
+            case
+            for name in args.sources.split(",")
+            for case in run_source(name, Path(tmp), eps, costs, args.shift, args.seed)
+        ]
+    report = {
+        "benchmark": "replan_moves",
+        "config": vars(args),
+        "cases": cases,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    emit_json(report, args.out)
+    return report
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,88 @@
+"""Re-planning a deployed model: an expert changes device only where the move pays.
+
+A plan solved again from fresh traces (the nightly job) is, even aligned to the deployed
+one (:mod:`planner.solve.align`), a new local optimum: it regroups experts for gains of a
+fraction of a percent, and every expert that changes device costs the serving cluster a
+weight transfer. With a move cost c (``PlanConfig.move_cost``; ``moeplan solve --align-to
+DEPLOYED --move-cost C``) each layer is solved for
+
+    local activations + c * A * (experts that stay with their deployed device's group)
+
+where A is the layer's routed activations (the LAR's denominator): a regrouping must raise
+the layer's LAR by c per expert it moves.
+
+The term enters as rows of the problem, so that every solver optimises it with its own
+search, as it does the n-gram term (:mod:`planner.solve.ngram_term`): one load-free row per
+deployed device d, with affinity c * A on each expert the deployed plan has on d. A row,
+like a token, is worth its activations on the device it is given, so its best device is
+the one holding most of its group, and it gains c * A for each expert of the group there.
+Device labels are arbitrary, and so is this term: it counts the experts that keep their
+group, whatever the devices are called, and the plan is relabelled onto the deployed
+devices afterwards (:func:`planner.solve.align.align_plan`). Two rows may pick the same
+device where no group is kept whole (the rows carry no load), so the term can count a few
+more experts as kept than the relabelled plan keeps; the plan reports the moves as counted
+after relabelling.
+
+The rows carry no token load and stand for no run-time occurrences (``row_occurrences`` 0),
+so neither the capacity nor the per-batch cap sees them; :func:`without_deployed` takes them
+off the solved placement before its report is made.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from scipy import sparse
+
+from planner.solve.common import finish
+from planner.solve.problem import LayerPlacement, LayerProblem
+
+
+def with_deployed(problem: LayerProblem, reference: np.ndarray, stay_bonus: float) -> LayerProblem:
+    """``problem`` with one load-free row per deployed device appended (module doc).
+
+    Args:
+        problem: the layer's problem (with the n-gram term's rows, if any).
+        reference: [N] the device each expert has in the deployed plan (0..E-1).
+        stay_bonus: what one expert kept with its group is worth: c * A.
+    """
+    ref = np.asarray(reference, dtype=np.int64)
+    e, n = problem.ep_size, problem.num_experts
+    rows = sparse.csr_matrix(
+        (np.full(n, float(stay_bonus)), (ref, np.arange(n))), shape=(e, n), dtype=np.float64
+    )
+    batch_freq = problem.batch_freq
+    if batch_freq is not None:
+        batch_freq = sparse.vstack(
+            [batch_freq, sparse.csr_matrix((e, batch_freq.shape[1]))], format="csr"
+        )
+    return LayerProblem(
+        sparse.vstack([problem.affinity, rows], format="csr"),
+        np.concatenate([problem.token_freq, np.zeros(e)]),
+        e,
+        beta=problem.beta,
+        balance=problem.balance,
+        theta=problem.theta,
+        layer=problem.layer,
+        batch_freq=batch_freq,
+        row_occurrences=np.concatenate([problem.occurrences, np.zeros(e)]),
+    )
+
+
+def without_deployed(
+    problem: LayerProblem, placement: LayerPlacement, reference: np.ndarray
+) -> LayerPlacement:
+    """A placement of :func:`with_deployed` ``(problem, reference, ...)`` as one of ``problem``.
+
+    The report is recomputed on ``problem``'s rows; ``info["deployed_rows"]`` gives the
+    experts the solver kept with their deployed group, as the term counts them.
+    """
+    j, ref = problem.num_tokens, np.asarray(reference, dtype=np.int64)
+    x, t = placement.expert_to_device, placement.token_to_device
+    kept = int((x == t[j:][ref]).sum())  # expert k's row is ref[k]; it sits on t[j + ref[k]]
+    info = placement.info | {"deployed_rows": {"experts_kept": kept}}
+    return finish(
+        problem, placement.method, x, seed=placement.seed,
+        started=time.perf_counter() - placement.seconds, token_to_device=t[:j], info=info,
+    )  # fmt: skip
