@@ -49,6 +49,10 @@ from planner.trace.schema import (
 # Counts summing to this much or more are refused: int64 sums (loads, row sums) would overflow.
 MAX_TOTAL_COUNT = 2.0**62
 
+# Raw keys a CountsAccumulator buffers before sorting them into its totals, shared out
+# over the layers (4 bytes a key below 2**32 cells a layer: 512 MiB in all).
+BUFFER_KEYS = 1 << 27
+
 # Shapes of models whose counts tables carry no moeplan metadata (the OLMoE export).
 # Matched by substring of the ``model`` column; flags override them.
 KNOWN_MODEL_SHAPES: dict[str, dict[str, int]] = {
@@ -234,11 +238,18 @@ class SortedKeyCounter:
         self._flush()
         return int(self.keys.shape[0])
 
+    def release_buffer(self) -> None:
+        """Fold the buffer into the total and free it (counting may go on: the buffer is
+        allocated again on the next key). Once every key is in, the buffers of all the
+        counters are worth freeing before any total is converted: each layer's buffer had
+        been kept until its own turn, under every result built before it."""
+        self._flush(release=True)
+        self._buffer = np.zeros(0, self.dtype)
+
     def result(self) -> tuple[np.ndarray, np.ndarray]:
         """(sorted distinct keys, counts: int32 or int64, see the class doc), handed over:
         the counter lets go of them and of its buffer, and is empty afterwards."""
-        self._flush(release=True)
-        self._buffer = np.zeros(0, self.dtype)
+        self.release_buffer()
         keys, counts = self.keys, self.counts
         self.keys, self.counts, self._fed = np.zeros(0, self.dtype), np.zeros(0, np.int32), 0
         return keys, counts
@@ -251,12 +262,13 @@ class CountsAccumulator:
     :class:`SortedKeyCounter` of keys ``j * N + e`` (4 bytes when V * N < 2**32, else 8),
     so merging a buffer into the running total copies one layer's total, not the model's.
     Memory is the distinct (layer, token, expert) triples seen (8 bytes each with 4-byte
-    keys) plus ``buffer_keys`` raw keys shared out over the layers. With ``top1`` the
-    rank-0 expert of each occurrence is also counted on its own (``top1_by_layer``), at 1/k
-    of the cost.
+    keys) plus ``buffer_keys`` raw keys shared out over the layers (the buffers fill as the
+    trace goes: T occurrences use min(T x L x k, buffer_keys) of them; 512 MiB in all once
+    full; :meth:`release_buffers` frees them). With ``top1`` the rank-0 expert of each
+    occurrence is also counted on its own (``top1_by_layer``), at 1/k of the cost.
     """
 
-    def __init__(self, meta: TraceMeta, buffer_keys: int = 1 << 27, *, top1: bool = True):
+    def __init__(self, meta: TraceMeta, buffer_keys: int = BUFFER_KEYS, *, top1: bool = True):
         self.meta = meta
         m = meta
         self._dtype = _key_dtype(m.vocab_size * m.num_experts)
@@ -292,8 +304,17 @@ class CountsAccumulator:
                 np.add(row, experts[:, layer, 0], out=self._top1[layer].reserve(t),
                        casting="unsafe")  # fmt: skip
 
+    def release_buffers(self) -> None:
+        """Fold every layer's buffer into its total and free it (see
+        :meth:`SortedKeyCounter.release_buffer`); :meth:`result` starts with it."""
+        for counter in self._counters + (self._top1 or []):
+            counter.release_buffer()
+
     def result(self) -> TokenExpertCounts:
         """The counts as L CSR arrays (the accumulator is empty afterwards)."""
+        # every buffer freed first: layer l's CSR arrays then take the place of buffers, not
+        # come on top of the buffers of the layers after it
+        self.release_buffers()
         top1 = None
         if self._top1 is not None:
             top1 = tuple(_to_csr(*c.result(), self.meta) for c in self._top1)

@@ -3,8 +3,10 @@
 Traces are read twice at most, in chunks: one pass accumulates the fitting statistics
 (token-expert counts, top-1 transitions, unknown-token load, the token mix of the runtime
 batches) over the fitting requests; with a hold-out, a second pass scores the held-out
-requests. Memory is bounded by the distinct (layer, token, expert) triples, not by the
-trace's length.
+requests. Memory is bounded by the distinct (layer, token, expert) triples and
+transition tuples, not by the trace's length, plus the accumulators' raw-key buffers,
+which fill up to a fixed limit (about 1.2 GiB in all at Qwen3-30B's shape, reached
+after ~3M tokens) and are freed before the tables are built.
 
 Counts tables are read whole (they are aggregates already) and split by binomial
 thinning, or evaluated across domains (see :mod:`planner.predict.split`).
@@ -25,6 +27,7 @@ from planner.errors import InputError
 from planner.predict.affinity import TokenExpertAffinity, load_embeddings
 from planner.predict.batches import BATCH_TOKENS, BatchMixAccumulator
 from planner.predict.counts import (
+    BUFFER_KEYS,
     CountsAccumulator,
     CountsSelection,
     TokenExpertCounts,
@@ -210,7 +213,9 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
     if config.token_reliability and fit_ids.size >= 2:
         fold = RequestSplit.make(fit_ids, 0.5, config.seed + FOLD_SEED_OFFSET)
         fold_meta = replace(meta, num_layers=fold_layers.size, moe_layer_indices=())
-        fold_acc = CountsAccumulator(fold_meta)
+        # as many buffered keys a layer as the main accumulator (2**27 keys over the <= 8
+        # sampled layers were L/8 times as many a layer: 576 MiB once full)
+        fold_acc = CountsAccumulator(fold_meta, BUFFER_KEYS * fold_layers.size // meta.num_layers)
     transitions = TransitionAccumulator(meta.num_layers, meta.num_experts, config.ngram_routed)
     batches = BatchMixAccumulator(meta.vocab_size, config.batch_tokens)
     unknown_load = np.zeros((meta.num_layers, meta.num_experts), np.int64)
@@ -246,6 +251,12 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
             if unknown.any():  # (the experts are ordered by gate weight: rank 0 first)
                 unknown_load += batch_load(batch.experts[unknown], meta.num_experts)
                 unknown_top1 += batch_load(batch.experts[unknown][:, :, :1], meta.num_experts)
+    # Every accumulator's buffers freed before any result is built: they fill up with the
+    # trace (to 2**27 keys for the counts, as many for the transitions), and each result
+    # was built under the others' buffers.
+    for accumulator in (acc, fold_acc, transitions):
+        if accumulator is not None:
+            accumulator.release_buffers()
     counts = acc.result()
     trans = transitions.result()
     pass_seconds = time.perf_counter() - t0

@@ -54,7 +54,7 @@ from scipy import sparse
 from planner._checks import is_finite_number, is_integer
 from planner.errors import InputError, MismatchError, SchemaError
 from planner.export.bundle import ngram_row_index
-from planner.predict.counts import SortedKeyCounter
+from planner.predict.counts import BUFFER_KEYS, SortedKeyCounter
 
 MAX_ORDER = 3
 _WIDTH = MAX_ORDER + 1  # experts per tuple: three context layers and the current one
@@ -151,7 +151,8 @@ class TopOneTransitions:
 
 
 class TransitionAccumulator:
-    """Accumulates :class:`TopOneTransitions` from trace batches (memory: distinct tuples).
+    """Accumulates :class:`TopOneTransitions` from trace batches (memory: distinct tuples,
+    plus raw-key buffers of at most as many keys as a :class:`CountsAccumulator`'s).
 
     Args:
         routed: count every routed expert of layer l (k tuples per token and layer, what
@@ -163,8 +164,8 @@ class TransitionAccumulator:
 
     def __init__(self, num_layers: int, num_experts: int, routed: bool = True):
         self.num_layers, self.num_experts = num_layers, num_experts
-        self._base = np.uint64(num_experts + 1)
-        self._counters = [SortedKeyCounter(np.uint64, capacity=1 << 22) for _ in range(num_layers)]
+        # made by the first chunk, whose k sizes the keys
+        self._counters: list[SortedKeyCounter] = []
         self._top_k: int | None = None
         self.routed = routed
 
@@ -175,23 +176,38 @@ class TransitionAccumulator:
         t, _, k = experts.shape
         if self._top_k is None:
             self._top_k = k
-        top1 = experts[:, :, 0].astype(np.int64) + 1  # [T, L], 0 encodes "before layer 0"
+            # A key is the tuple's base-N digits, then the rank: below N**4 * k, 4 bytes
+            # for up to 256 experts with top-1 statistics (128 routed), else 8. The slots
+            # before layer 0 are digit 0: the layer says which they are (result()).
+            dtype = np.uint32 if self.num_experts**_WIDTH * k <= 2**32 else np.uint64
+            # each layer buffers as many keys as a CountsAccumulator's (2**22 a layer at
+            # most, 2**27 in all)
+            capacity = min(1 << 22, max(BUFFER_KEYS // self.num_layers, 1))
+            self._counters = [SortedKeyCounter(dtype, capacity) for _ in range(self.num_layers)]
         padded = np.zeros((t, self.num_layers + MAX_ORDER), np.uint64)
-        padded[:, MAX_ORDER:] = top1
-        b, ranks = self._base, np.arange(k, dtype=np.uint64)
+        padded[:, MAX_ORDER:] = experts[:, :, 0]  # [T, L] top-1 experts after 3 zero slots
+        b, ranks = np.uint64(self.num_experts), np.arange(k, dtype=np.uint64)
         for layer in range(self.num_layers):
             win = padded[:, layer : layer + MAX_ORDER]  # top-1 of layers l-3 .. l-1
             ctx = (win[:, 0] * b + win[:, 1]) * b + win[:, 2]
-            routed = experts[:, layer].astype(np.uint64) + np.uint64(1)  # [T, k]
+            routed = experts[:, layer].astype(np.uint64)  # [T, k]
             key = (ctx[:, None] * b + routed) * np.uint64(k) + ranks
             self._counters[layer].add_keys(key.ravel())
+
+    def release_buffers(self) -> None:
+        """Fold every layer's buffer into its total and free it
+        (:meth:`SortedKeyCounter.release_buffer`); :meth:`result` starts with it."""
+        for counter in self._counters:
+            counter.release_buffer()
 
     def result(self) -> TopOneTransitions:
         """The tuples and their counts, decoded layer by layer straight into the result's
         arrays (no second copy of them all to concatenate)."""
-        b, k = self.num_experts + 1, self._top_k or 1
+        b, k = self.num_experts, self._top_k or 1
+        self.release_buffers()  # before the result's arrays, not under them
         offsets = np.zeros(self.num_layers + 1, np.int64)
-        np.cumsum([c.size() for c in self._counters], out=offsets[1:])
+        sizes = [c.size() for c in self._counters] or [0] * self.num_layers
+        np.cumsum(sizes, out=offsets[1:])
         keys = np.empty((int(offsets[-1]), _WIDTH + 1), np.int16)
         counts = np.empty(int(offsets[-1]), np.int64)
         for layer, counter in enumerate(self._counters):
@@ -201,8 +217,9 @@ class TransitionAccumulator:
             out[:, _RANK] = rest % k
             rest //= k
             for col in range(_WIDTH - 1, -1, -1):
-                out[:, col] = rest % b - 1
+                out[:, col] = rest % b
                 rest //= b
+            out[:, : max(MAX_ORDER - layer, 0)] = -1  # the slots before layer 0
             counts[offsets[layer] : offsets[layer + 1]] = c
         return TopOneTransitions(keys, counts, offsets, self.num_experts)
 
