@@ -127,12 +127,18 @@ class TokenExpertAffinity:
         self.meta_ = m
         self.counts_ = tuple(counts.by_layer)
         self.top1_counts_ = tuple(counts.top1_by_layer) if counts.top1_by_layer else None
-        activations = counts.token_activations()  # [L, V]
-        self.seen_ = cast(np.ndarray, (activations > 0).any(axis=0))
+        # [V] each token's activations summed over the layers, a layer at a time (the
+        # [L, V] int64 stack of counts.token_activations() and its layers were 116 MiB at
+        # Qwen3-30B's shape, the largest part of a short trace's fit). Counts are whole
+        # and >= 0: seen anywhere = a positive sum, and the mean is exact in float64.
+        total = np.zeros(m.vocab_size, np.int64)
+        for mat in counts.by_layer:
+            total += np.asarray(mat.sum(axis=1)).ravel().astype(np.int64, copy=False)
+        self.seen_ = cast(np.ndarray, total > 0)
         # Counts tables may count each layer on other samples (thinned counts: a token seen
         # once has about half an occurrence a layer), where rounding the mean gives 0: a
         # seen token still occurs, and a solver must not read it as weighing nothing.
-        occurrences = np.rint(activations.mean(axis=0) / m.top_k).astype(np.int64)
+        occurrences = np.rint(total / m.num_layers / m.top_k).astype(np.int64)
         self.token_counts_ = np.where(self.seen_, np.maximum(occurrences, 1), 0)
         self.load_ = counts.load()
         self.unknown_load_ = _layer_loads(unknown_load, m, "unknown_load")
@@ -496,11 +502,12 @@ def _pack_csr(mats: tuple[sparse.csr_array, ...], prefix: str) -> dict[str, np.n
     # 116 MB of 202). int32 where the offsets and counts fit; any integer dtype reads back.
     offsets = np.cumsum([0] + [c.nnz for c in mats])
     most = max((int(c.data.max()) for c in mats if c.nnz), default=0)
-    out: dict[str, np.ndarray | Chunked] = {
-        f"{prefix}indptr": np.stack(
-            [c.indptr.astype(np.int64) + o for c, o in zip(mats, offsets, strict=False)]
-        ).astype(_smallest_int(int(offsets[-1])))
-    }
+    # written layer by layer into the final dtype (an int64 copy of every layer, their
+    # stack and its cast were 145 MiB at Qwen3-30B's shape, the save's peak)
+    indptr = np.empty((len(mats), mats[0].indptr.shape[0]), _smallest_int(int(offsets[-1])))
+    for row, c, o in zip(indptr, mats, offsets, strict=False):
+        np.add(c.indptr, o, out=row, casting="unsafe")  # (int64 sums; they fit the dtype)
+    out: dict[str, np.ndarray | Chunked] = {f"{prefix}indptr": indptr}
     for name, dtype in (("indices", np.int16), ("data", _smallest_int(most))):
         # one layer cast at a time (a copy only where its dtype differs)
         def parts(name: str = name, dtype: type = dtype) -> Iterator[np.ndarray]:

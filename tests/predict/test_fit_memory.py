@@ -3,18 +3,20 @@ freed before the results are built, and the same predictor whatever their size."
 
 from __future__ import annotations
 
+import tracemalloc
 from collections import Counter
 
 import numpy as np
 import pytest
 
 from planner.predict import counts as counts_module
+from planner.predict.affinity import TokenExpertAffinity
 from planner.predict.counts import SortedKeyCounter
 from planner.predict.fit import FitConfig, fit_predictor
 from planner.predict.ngram import MAX_ORDER, TransitionAccumulator
 from planner.trace import TraceMeta
 from tests.conftest import random_batch
-from tests.predict.conftest import synth_trace
+from tests.predict.conftest import random_counts, synth_trace
 
 
 @pytest.fixture
@@ -135,3 +137,36 @@ def test_the_buffers_size_does_not_change_the_predictor(synth_dir, counters, mon
     assert {k: v for k, v in want.report.items() if k not in timed} == {
         k: v for k, v in got.report.items() if k not in timed
     }
+
+
+def test_the_table_fit_and_its_save_hold_no_layers_by_vocabulary_int64_array():
+    # Per-token sums over the layers and the save's [L, V + 1] row pointers were built from
+    # an int64 [L, V] stack and its copies (116 and 145 MiB at Qwen3-30B's 48 layers x
+    # 151936 ids: a short trace's peak); now a layer at a time, into the final arrays.
+    meta = TraceMeta("test/vocab", 8, 16, 2, 300_000)
+    counts = random_counts(meta, 500, seed=1)
+    stack = meta.num_layers * meta.vocab_size * 8
+    tracemalloc.start()
+    try:
+        affinity = TokenExpertAffinity().fit(counts)
+        fit_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        tensors = affinity.file_tensors()
+        save_peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert fit_peak < stack, fit_peak / stack
+    assert save_peak < stack, save_peak / stack
+    # the same values as the stack gave
+    offsets = np.cumsum([0] + [c.nnz for c in counts.by_layer])
+    layers = zip(counts.by_layer, offsets[:-1], strict=True)
+    want = np.stack([c.indptr.astype(np.int64) + o for c, o in layers])
+    indptr = tensors["indptr"]
+    assert isinstance(indptr, np.ndarray) and indptr.dtype == np.int32
+    np.testing.assert_array_equal(indptr, want)
+    acts = counts.token_activations()
+    np.testing.assert_array_equal(affinity.seen_, (acts > 0).any(axis=0))
+    occurrences = np.rint(acts.mean(axis=0) / meta.top_k).astype(np.int64)
+    np.testing.assert_array_equal(
+        affinity.token_counts_, np.where(affinity.seen_, np.maximum(occurrences, 1), 0)
+    )
