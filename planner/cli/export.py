@@ -184,6 +184,17 @@ def _against_line(v: dict, lar_balanced: float, against: str) -> str:
     )
 
 
+def _gate(versus: dict | None, require_better: bool) -> int:
+    """Exit status of ``evaluate --require-better``: 1, with a line on stderr, unless better."""
+    if not require_better or versus is None or versus["verdict"] == "better":
+        return 0
+    err_console.print(
+        f"moeplan: not better than the deployed plan ({versus['verdict']}); keep it",
+        markup=False,
+    )
+    return 1
+
+
 @app.command("evaluate")
 def evaluate(
     plan: str = typer.Argument(..., help="Plan or bundle directory."),
@@ -211,9 +222,17 @@ def evaluate(
         "this plan beats it beyond the noise of which requests were held out (90% paired "
         "bootstrap), and how many experts rolling this plan out moves.",
     ),
-) -> None:
+    require_better: bool = typer.Option(
+        False,
+        "--require-better",
+        help="With --against: exit 1 after the report unless the verdict is better (a "
+        "nightly job rolls the plan out on exit 0 only).",
+    ),
+) -> int:
     """LAR (token, n-gram, online, balanced, vanilla), imbalance, remote traffic and the oracle bound."""
     config = EvalConfig(batch_tokens, slack, hidden_size, dtype_bytes)  # checks the values
+    if require_better and against is None:
+        raise InputError("--require-better needs --against: the deployed plan to beat")
     if plot:
         check_plot_path(plot, inputs=tuple(filter(None, (plan, heldout, against))))
     bundle = load_tables(plan)
@@ -233,7 +252,7 @@ def evaluate(
         err_console.print(f"plot: {plot_evaluation(report, plot, title)}", markup=False)
     if as_json:
         print_json(report if versus is None else {**report, "against": versus})
-        return
+        return _gate(versus, require_better)
     console.print(
         metrics_table(report, f"{plan} on {heldout} (EP {bundle.ep_size}, method {bundle.method})")
     )
@@ -246,3 +265,4 @@ def evaluate(
         console.print(
             f"all-to-all: {ov['all_to_all_bytes'] / 1e6:.1f} MB vs vanilla {ov['all_to_all_bytes_vanilla'] / 1e6:.1f} MB"
         )
+    return _gate(versus, require_better)

@@ -88,3 +88,22 @@ def test_cli_evaluate_against(trace, tmp_path, capsys):
     assert main(["evaluate", str(new), held, "--against", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("moeplan: error:") and "neither a plan" in err and err.count("\n") == 1
+
+
+def test_cli_require_better_gates_the_rollout(trace, tmp_path, capsys):
+    good, same, crowded = tmp_path / "good", tmp_path / "same", tmp_path / "crowded"
+    save_bundle(GOOD, good)
+    save_bundle(RENAMED, same)
+    save_bundle(CROWDED, crowded)
+    held = str(trace.path)
+    gate = ["--require-better"]
+    assert main(["evaluate", str(good), held, "--against", str(crowded), *gate]) == 0
+    capsys.readouterr()
+    for deployed in (same, good):  # level, then worse: keep the deployed plan
+        assert main(["evaluate", str(crowded if deployed == good else good), held,
+                     "--against", str(deployed), *gate, "--json"]) == 1  # fmt: skip
+        captured = capsys.readouterr()
+        json.loads(captured.out)  # the report is printed whatever the verdict
+        assert captured.err.startswith("moeplan: not better than the deployed plan")
+    assert main(["evaluate", str(good), held, *gate]) == 2
+    assert "--require-better needs --against" in capsys.readouterr().err
