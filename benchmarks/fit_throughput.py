@@ -20,7 +20,16 @@ and median over repeats, of the pass; ``activations_per_s_total_best`` of the wh
 which ``target_met_end_to_end`` judges (``target_met_pass``: the pass alone). The target of the issue is 20M activations/s on a 2-core
 machine; the machine's load average is recorded because other processes skew timings.
 
+``--scaling 60000,240000,600000`` instead measures how the fit's peak memory follows the
+trace's length: one trace a size (``--shape qwen3-30b``: 48 layers, 128 experts, top-8,
+vocabulary 151936; or ``deepseek-v3``), the ``fit`` child on each, and per size the peak
+RSS, times and ``tables_mib`` (what the fitted tables hold: the counts' and rank-0 counts'
+CSR arrays and the transition tuples, which grow with the distinct pairs the trace holds);
+``mib_per_1k_tokens`` is the peak's growth from the size before, ``overhead_mib`` the peak
+above the tables.
+
     python benchmarks/fit_throughput.py [--tokens 200000] [--repeats 3] [--trace DIR] [--out FILE]
+    python benchmarks/fit_throughput.py --scaling 60000,240000,600000 --shape qwen3-30b [--repeats 1]
 """
 
 from __future__ import annotations
@@ -39,6 +48,8 @@ from pathlib import Path
 from _common import emit_json, peak_rss_mib, run  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 TARGET = 20e6  # routed activations per second
+# Routing shapes of --shape: (layers, experts, top-k, vocabulary); deepseek-v3 is the preset's.
+SHAPES = {"deepseek-v3": None, "qwen3-30b": (48, 128, 8, 151936)}
 
 
 def child(mode: str, trace: str) -> dict:
@@ -55,13 +66,19 @@ def child(mode: str, trace: str) -> dict:
         total = time.perf_counter() - t0
         info = result.predictor.fit_info
         aff = result.predictor.affinity
+        trans = result.predictor.transitions
+        csr = aff.counts_ + (aff.top1_counts_ or ())
+        tables = sum(c.data.nbytes + c.indices.nbytes + c.indptr.nbytes for c in csr)
+        tables += trans.keys.nbytes + trans.counts.nbytes
         out = {
             "pass_s": info["pass_seconds"],
             "total_s": round(total, 3),
             "activations": info["activations"],
             "nnz": int(sum(c.nnz for c in aff.counts_)),
-            "transition_tuples": int(result.predictor.transitions.keys.shape[0]),
+            "top1_nnz": int(sum(c.nnz for c in aff.top1_counts_ or ())),
+            "transition_tuples": int(trans.keys.shape[0]),
             "distinct_tokens": info["distinct_tokens"],
+            "tables_mib": round(tables / 2**20, 1),
         }
     else:
         t = open_trace(trace)
@@ -105,31 +122,82 @@ def measure(mode: str, trace: str, repeats: int) -> dict:
     return out
 
 
+def synth_trace(shape: str, tokens: int, out: str) -> float:
+    """Write a ``shape``-shaped synthetic trace of ``tokens`` rows at ``out``; its seconds."""
+    from planner.trace.synth import DEEPSEEK_V3, synthesize
+
+    config = dataclasses.replace(DEEPSEEK_V3, num_tokens=tokens, num_requests=max(tokens // 500, 2))
+    dims = SHAPES[shape]
+    if dims is not None:
+        layers, experts, top_k, vocab = dims
+        config = dataclasses.replace(
+            config, num_layers=layers, num_experts=experts, top_k=top_k, vocab_size=vocab,
+            model=f"synthetic-{shape}", first_moe_layer=0,
+        )  # fmt: skip
+    t0 = time.perf_counter()
+    synthesize(config, out)
+    return round(time.perf_counter() - t0, 2)
+
+
+def scaling(sizes: list[int], shape: str, repeats: int) -> dict:
+    """The fit's peak RSS and times on one ``shape`` trace of each size (module doc)."""
+    rows = []
+    for tokens in sizes:
+        with tempfile.TemporaryDirectory(prefix="fit-bench-") as tmp:
+            trace = str(Path(tmp) / "trace")
+            synth_s = synth_trace(shape, tokens, trace)
+            fit = measure("fit", trace, repeats)
+        row = {"tokens": tokens, "synthesis_s": synth_s, "peak_rss_mib": fit["peak_rss_mib"],
+               "tables_mib": fit["tables_mib"],
+               "overhead_mib": round(fit["peak_rss_mib"] - fit["tables_mib"], 1),
+               "total_s": fit["total_s"], "pass_s": fit["pass_s"]}  # fmt: skip
+        if rows:
+            grown = row["peak_rss_mib"] - rows[-1]["peak_rss_mib"]
+            row["mib_per_1k_tokens"] = round(1000 * grown / (tokens - rows[-1]["tokens"]), 3)
+        row |= {k: fit[k] for k in ("nnz", "top1_nnz", "transition_tuples", "distinct_tokens",
+                                    "baseline_rss_mib")}  # fmt: skip
+        rows.append(row)
+    return {"sizes": rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=200_000)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--trace", help="reuse this DeepSeek-V3-shaped trace instead of synthesising")
+    ap.add_argument("--trace", help="reuse this trace (of --shape) instead of synthesising")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="deepseek-v3")
+    ap.add_argument(
+        "--scaling",
+        help="comma-separated token counts: the fit's peak memory at each (module doc)",
+    )
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--child", choices=["fit", "accumulate"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.trace)))
         return
-
-    from planner.trace.synth import DEEPSEEK_V3, synthesize
+    if args.scaling:
+        sizes = sorted({int(x) for x in args.scaling.split(",") if x.strip()})
+        if not sizes or sizes[0] < 2:
+            raise SystemExit("--scaling: token counts of at least 2, e.g. 60000,240000,600000")
+        report = {
+            "shape": args.shape,
+            "dims": SHAPES[args.shape] or "planner.trace.synth.DEEPSEEK_V3",
+            "repeats": args.repeats,
+            "cpu_count": os.cpu_count(),
+            "load_average_before": [round(x, 2) for x in os.getloadavg()],
+            **scaling(sizes, args.shape, args.repeats),
+            "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        }
+        emit_json(report, args.out)
+        return
 
     with tempfile.TemporaryDirectory(prefix="fit-bench-") as tmp:
         trace = args.trace
         synth_s = None
         if trace is None:
             trace = str(Path(tmp) / "trace")
-            config = dataclasses.replace(
-                DEEPSEEK_V3, num_tokens=args.tokens, num_requests=max(args.tokens // 500, 2)
-            )
-            t0 = time.perf_counter()
-            synthesize(config, trace)
-            synth_s = round(time.perf_counter() - t0, 2)
+            synth_s = synth_trace(args.shape, args.tokens, trace)
         from planner.trace.io import open_trace
 
         meta = open_trace(trace).meta
