@@ -1,0 +1,87 @@
+"""examples/nightly_replan.sh: fresh traces in, the serving bundle replaced only when better."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner.cli.main import main
+from planner.trace.synth import SynthConfig, synthesize
+from tests.conftest import child_env
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "examples" / "nightly_replan.sh"
+SYNTH = SynthConfig(
+    num_layers=3, num_experts=8, top_k=2, vocab_size=300, num_tokens=3000, num_requests=40,
+    affinity=0.8, layer_correlation=0.5, num_domains=2, seed=11,
+)  # fmt: skip
+
+
+def _nightly(fresh: Path, deployed: Path, work: Path) -> subprocess.CompletedProcess:
+    # this checkout's moeplan (child_env puts it first on the path), whatever is installed
+    moeplan = work.parent / f"moeplan-{work.name}"
+    moeplan.write_text(
+        f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -c "
+        "'from planner.cli.entry import run; run()' \"$@\"\n"
+    )
+    moeplan.chmod(0o755)
+    env = child_env(METHOD="kmeans", JOBS="1", FORMATS="moeplan", MOEPLAN=str(moeplan))
+    return subprocess.run(
+        ["bash", str(SCRIPT), str(fresh), str(deployed), str(work)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def deployed(tmp_path_factory):
+    """A fresh trace, and the default deployment (vanilla) exported as the serving bundle."""
+    d = tmp_path_factory.mktemp("nightly")
+    fresh = synthesize(SYNTH, d / "fresh")
+    assert main(["fit", str(fresh), "--out", str(d / "pred"), "--json"]) == 0
+    solve = ["solve", str(d / "pred"), "--ep", "4", "--method", "vanilla", "--json"]
+    assert main([*solve, "--out", str(d / "plan")]) == 0
+    assert main(["export", str(d / "plan"), "--out", str(d / "serving"), "--json"]) == 0
+    return d, fresh, d / "serving"
+
+
+def test_a_better_plan_is_rolled_out_then_kept(deployed):
+    d, fresh, serving = deployed
+    before = _files(serving)
+    run = _nightly(fresh, serving, d / "work1")
+    assert run.returncode == 0, run.stderr
+    last = run.stdout.strip().splitlines()[-1]
+    assert last.startswith(f"rolled out to {serving}") and "better" in last
+    assert _files(serving / ".." / "serving.previous") == before  # kept whole beside it
+    assert not (d / "serving.incoming").exists()
+    assert main(["export", "--verify", str(serving), "--json"]) == 0
+    # the same traffic again: the new plan is level with the one now serving, and stays
+    now = _files(serving)
+    again = _nightly(fresh, serving, d / "work2")
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.strip().splitlines()[-1].startswith(f"kept {serving}")
+    assert "not better than the deployed plan" in again.stderr
+    assert _files(serving) == now
+
+
+def test_a_failed_step_leaves_the_serving_bundle_alone(deployed, tmp_path):
+    d, _, serving = deployed
+    now = _files(serving)
+    other = synthesize(SynthConfig(**{**SYNTH.__dict__, "model": "other/model"}), tmp_path / "t")
+    run = _nightly(other, serving, tmp_path / "work")
+    assert run.returncode == 2
+    assert "fingerprints differ" in run.stderr
+    assert _files(serving) == now
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("a user's file")
+    run = _nightly(other, serving, busy)
+    assert run.returncode == 2 and "is not empty" in run.stderr
+    assert (busy / "keep.txt").read_text() == "a user's file"
