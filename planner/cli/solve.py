@@ -141,8 +141,9 @@ def solve(
         None,
         "--align-to",
         help="The plan or bundle deployed now (same model and EP size): number this plan's "
-        "devices, layer by layer, so that the most experts stay where it has them. Nothing "
-        "else changes; the experts that change device are reported.",
+        "devices, layer by layer, so that the most experts stay where it has them (nothing "
+        "else changes unless --move-cost is given); the experts that change device are "
+        "reported.",
     ),
     move_cost: float = typer.Option(
         0.0,
@@ -181,8 +182,16 @@ def solve(
             )
         chain_passes = 0  # a --config file's, for the methods it applies to
     _check_lp_path(opts, inputs, (out,))
-    if move_cost and deployed is None:
-        raise InputError("--move-cost needs --align-to: the deployed plan to count moves from")
+    if not 0 <= move_cost <= 1:  # (NaN too)
+        raise InputError(f"--move-cost {move_cost} must be a LAR share in [0, 1], e.g. 0.002")
+    if move_cost and (deployed is None or method == "vanilla"):
+        if typed(ctx, "move_cost"):
+            raise InputError(
+                "--move-cost needs --align-to: the deployed plan to count moves from"
+                if deployed is None
+                else "--move-cost does not apply to --method vanilla (the contiguous layout)"
+            )
+        move_cost = 0.0  # a --config file's, for the re-plans it applies to
     pred = load_predictor(predictor)
     if deployed is not None:  # checked before the work
         if deployed.ep_size != ep:

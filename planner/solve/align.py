@@ -37,7 +37,7 @@ from scipy.optimize import linear_sum_assignment
 
 from planner.errors import MismatchError
 
-if TYPE_CHECKING:  # planner.solve.plan settles layers with this module's device_maps
+if TYPE_CHECKING:  # planner.solve.plan imports planner.solve.settle, which imports this
     from planner.solve.plan import Plan
 
 

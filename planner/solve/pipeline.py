@@ -56,17 +56,17 @@ from typing import Any
 import numpy as np
 
 from planner._checks import is_bool, is_integer, is_real
-from planner.errors import InputError, MismatchError
+from planner.errors import InputError
 from planner.predict.ngram import check_table_size, fit_ngram_device_table
 from planner.predict.predictor import Predictor
 from planner.predict.reliability import discounted_share, shrink_confidence, unseen_share
-from planner.solve.align import check_reference
 from planner.solve.expert_balance import expert_imbalance
 from planner.solve.metrics import token_table
 from planner.solve.ngram_term import DEFAULT_WEIGHT, MAX_WEIGHT, NgramTerm
 from planner.solve.plan import Plan, solve_model
 from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig, check_expert_beta
 from planner.solve.registry import check_method_options, get_solver
+from planner.solve.settle import check_replan
 from planner.trace.schema import TraceMeta
 
 # Sweeps of the chain polish a plan may ask for.
@@ -170,7 +170,7 @@ class PlanConfig:
             )
         if self.chain_passes and self.ngram_weight == 0:
             raise InputError("chain_passes needs the n-gram term: ngram_weight must be > 0")
-        if not 0 <= self.move_cost <= 1:
+        if not 0 <= self.move_cost <= 1:  # (NaN too)
             raise InputError(f"move_cost={self.move_cost} must be a LAR share in [0, 1]")
         if self.move_cost and self.method == "vanilla":
             raise InputError("move_cost does not apply to vanilla (the contiguous layout)")
@@ -279,15 +279,7 @@ def make_plan(
             "chain_passes needs n-gram transitions, and this predictor has none "
             "(it was fitted on a counts table); solve without it"
         )
-    if config.move_cost and reference is None:
-        raise InputError("move_cost needs the deployed plan to count moves from (--align-to)")
-    if reference is not None:
-        if np.shape(reference) != (meta.num_layers, n):
-            raise MismatchError(
-                f"the deployed placement has shape {np.shape(reference)}, "
-                f"the model {(meta.num_layers, n)}"
-            )
-        check_reference(reference, e)
+    reference = check_replan(reference, config.move_cost, meta.num_layers, n, e)
     t0 = time.perf_counter()
     problems = layer_problems(predictor, e, config.beta)
     # vanilla is the default deployment as it is: no chain polish, fitted n-gram confidences
@@ -309,8 +301,7 @@ def make_plan(
     placements = solve_model(
         problems, config.method, config.solver_config(), jobs=config.jobs, progress=progress,
         ngram_term=term, chain_passes=config.chain_passes if solved else 0,
-        reference=None if reference is None else np.asarray(reference, np.int64),
-        move_cost=config.move_cost,
+        reference=reference, move_cost=config.move_cost,
     )  # fmt: skip
     tables = [vocabulary_table(predictor, p, q) for p, q in zip(problems, placements, strict=True)]
     expert_to_device = np.stack([q.expert_to_device for q in placements])

@@ -48,7 +48,7 @@ from planner.solve.chain import chain_polish
 from planner.solve.ngram_term import NgramTerm, restrict
 from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig
 from planner.solve.registry import get_solver, solve_layer
-from planner.solve.settle import with_deployed, without_deployed
+from planner.solve.settle import check_replan, with_deployed, without_deployed
 
 PLAN_FORMAT = "moeplan-plan"
 PLAN_FORMAT_VERSION = 1
@@ -130,12 +130,15 @@ def solve_model(
     num_layers = len(problems)
     if not num_layers:
         return []
+    # checked here too: a library caller's cost without a reference would do nothing unseen
+    n, e = problems[0].num_experts, problems[0].ep_size
+    deployed = check_replan(reference, move_cost, num_layers, n, e)
+    deployed = deployed if move_cost > 0 else None
     config = _model_budget(config, method, num_layers)
     runs = [[i] for i in range(num_layers)] if ngram_term is None else ngram_term.runs(num_layers)
     placed = np.zeros((num_layers, problems[0].num_experts), np.int64)
     results: list[LayerPlacement | None] = [None] * num_layers
 
-    deployed = reference if move_cost > 0 else None
     extended: dict[int, LayerProblem] = {}  # each layer's problem without the deployed rows
 
     def task(run: list[int], pos: int) -> tuple[LayerProblem, str, SolverConfig]:

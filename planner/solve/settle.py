@@ -35,8 +35,32 @@ import time
 import numpy as np
 from scipy import sparse
 
+from planner._checks import is_real
+from planner.errors import InputError, MismatchError
+from planner.solve.align import check_reference
 from planner.solve.common import finish
 from planner.solve.problem import LayerPlacement, LayerProblem
+
+
+def check_replan(
+    reference: np.ndarray | None, move_cost: float, num_layers: int, num_experts: int, ep_size: int
+) -> np.ndarray | None:
+    """``reference`` as an int64 [L, N] array fit for ``move_cost`` (None when the cost is 0
+    and no reference is given); one-line errors for a cost out of [0, 1], a cost without a
+    reference, and a reference of another shape or EP size."""
+    if not (is_real(move_cost) and 0 <= move_cost <= 1):
+        raise InputError(f"move_cost={move_cost!r} must be a LAR share in [0, 1]")
+    if reference is None:
+        if move_cost:
+            raise InputError("move_cost needs the deployed plan to count moves from (--align-to)")
+        return None
+    ref = np.asarray(reference)
+    if ref.shape != (num_layers, num_experts):
+        raise MismatchError(
+            f"the deployed placement has shape {ref.shape}, the model {(num_layers, num_experts)}"
+        )
+    check_reference(ref, ep_size)
+    return ref.astype(np.int64)
 
 
 def with_deployed(problem: LayerProblem, reference: np.ndarray, stay_bonus: float) -> LayerProblem:
@@ -76,13 +100,21 @@ def without_deployed(
     """A placement of :func:`with_deployed` ``(problem, reference, ...)`` as one of ``problem``.
 
     The report is recomputed on ``problem``'s rows; ``info["deployed_rows"]`` gives the
-    experts the solver kept with their deployed group, as the term counts them.
+    experts the solver kept with their deployed group, as the term counts them. A layer
+    with no token load, which every method gives the default deployment
+    (:func:`planner.solve.registry.solve_layer`), keeps the deployed placement instead:
+    nothing there pays for a move.
     """
     j, ref = problem.num_tokens, np.asarray(reference, dtype=np.int64)
+    started = time.perf_counter() - placement.seconds
+    if problem.total_freq <= 0:
+        info = placement.info | {"deployed_rows": {"experts_kept": int(ref.size)}}
+        return finish(problem, placement.method, ref, seed=placement.seed, started=started,
+                      info=info)  # fmt: skip
     x, t = placement.expert_to_device, placement.token_to_device
     kept = int((x == t[j:][ref]).sum())  # expert k's row is ref[k]; it sits on t[j + ref[k]]
     info = placement.info | {"deployed_rows": {"experts_kept": kept}}
     return finish(
-        problem, placement.method, x, seed=placement.seed,
-        started=time.perf_counter() - placement.seconds, token_to_device=t[:j], info=info,
+        problem, placement.method, x, seed=placement.seed, started=started,
+        token_to_device=t[:j], info=info,
     )  # fmt: skip

@@ -142,3 +142,49 @@ def test_cli_move_cost(tmp_path, capsys):
     assert out["aligned"]["experts_moved"] == 0
     saved = json.loads((new / "plan.json").read_text())
     assert saved["config"]["move_cost"] == 1.0
+
+
+def test_solve_model_checks_the_reference_and_the_cost():
+    problems = [random_problem(24, 8, 4, seed=s) for s in range(2)]
+    ref = np.tile(np.arange(8) % 4, (2, 1))
+    with pytest.raises(InputError, match="needs the deployed plan"):
+        solve_model(problems, "kmeans", progress=False, move_cost=0.5)
+    with pytest.raises(InputError, match="move_cost"):
+        solve_model(problems, "kmeans", progress=False, reference=ref, move_cost=-1.0)
+    for bad in (ref[:1], ref[:, :6]):
+        with pytest.raises(MismatchError, match="shape"):
+            solve_model(problems, "kmeans", progress=False, reference=bad, move_cost=0.5)
+    with pytest.raises(MismatchError, match="not one of EP 4"):
+        solve_model(problems, "kmeans", progress=False, reference=ref + 4, move_cost=0.5)
+
+
+def test_a_layer_without_token_load_keeps_the_deployed_placement():
+    loaded = random_problem(24, 8, 4, seed=0)
+    empty = loaded.with_options(token_freq=np.zeros(24))
+    ref = np.tile(np.arange(8) % 4, (2, 1))
+    placed = solve_model([loaded, empty], "kmeans", progress=False, reference=ref, move_cost=0.5)
+    np.testing.assert_array_equal(placed[1].expert_to_device, ref[1])
+    assert placed[1].info["deployed_rows"] == {"experts_kept": 8}
+
+
+def test_a_config_files_move_cost_stands_down_where_it_cannot_apply(tmp_path, capsys):
+    trace = synthesize(SYNTH, tmp_path / "trace")
+    pred, old = tmp_path / "pred", tmp_path / "old"
+    assert main(["fit", str(trace), "--out", str(pred), "--json"]) == 0
+    solve = ["solve", str(pred), "--ep", "4", "--json"]
+    assert main([*solve, "--method", "vanilla", "--out", str(old)]) == 0
+    config = tmp_path / "nightly.toml"
+    config.write_text(f'[solve]\nalign-to = "{old}"\nmove-cost = 0.01\n')
+    # vanilla: the contiguous layout, whatever the file says
+    assert main(["--config", str(config), *solve, "--method", "vanilla",
+                 "--out", str(tmp_path / "v")]) == 0  # fmt: skip
+    assert json.loads((tmp_path / "v" / "plan.json").read_text())["config"]["move_cost"] == 0
+    config.write_text("[solve]\nmove-cost = 0.01\n")  # no deployed plan named: a plain solve
+    assert main(["--config", str(config), *solve, "--method", "kmeans",
+                 "--out", str(tmp_path / "k")]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert main([*solve, "--out", str(tmp_path / "x"), "--move-cost", "-1"]) == 2
+    assert "[0, 1]" in capsys.readouterr().err
+    assert main([*solve, "--method", "vanilla", "--out", str(tmp_path / "x"),
+                 "--align-to", str(old), "--move-cost", "0.01"]) == 2  # fmt: skip
+    assert "does not apply to --method vanilla" in capsys.readouterr().err
