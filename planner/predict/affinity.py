@@ -506,7 +506,8 @@ def _pack_csr(mats: tuple[sparse.csr_array, ...], prefix: str) -> dict[str, np.n
     # stack and its cast were 145 MiB at Qwen3-30B's shape, the save's peak)
     indptr = np.empty((len(mats), mats[0].indptr.shape[0]), _smallest_int(int(offsets[-1])))
     for row, c, o in zip(indptr, mats, offsets, strict=False):
-        np.add(c.indptr, o, out=row, casting="unsafe")  # (int64 sums; they fit the dtype)
+        # int64 sums (numpy 1.x would add an int32 indptr and the offset in int32 and wrap)
+        np.add(c.indptr, o, out=row, dtype=np.int64, casting="unsafe")
     out: dict[str, np.ndarray | Chunked] = {f"{prefix}indptr": indptr}
     for name, dtype in (("indices", np.int16), ("data", _smallest_int(most))):
         # one layer cast at a time (a copy only where its dtype differs)

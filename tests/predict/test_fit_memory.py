@@ -170,3 +170,19 @@ def test_the_table_fit_and_its_save_hold_no_layers_by_vocabulary_int64_array():
     np.testing.assert_array_equal(
         affinity.token_counts_, np.where(affinity.seen_, np.maximum(occurrences, 1), 0)
     )
+
+
+def test_row_pointers_past_int32_are_summed_in_int64():
+    # A layer's int32 indptr plus an offset just under 2**31 passes 2**31: numpy 1.x (which
+    # pyproject allows) added them in int32 and wrapped. Layers stand in for CSR arrays of
+    # that many nonzeros (only nnz, indptr and data are read for the row pointers).
+    from types import SimpleNamespace
+
+    from planner.predict.affinity import _pack_csr
+
+    big = 2**31 - 50
+    first = SimpleNamespace(nnz=big, indptr=np.array([0, big], np.int64), data=np.ones(1))
+    second = SimpleNamespace(nnz=100, indptr=np.array([0, 100], np.int32), data=np.ones(1))
+    indptr = _pack_csr((first, second), "")["indptr"]
+    assert indptr.dtype == np.int64
+    np.testing.assert_array_equal(indptr, [[0, big], [big, big + 100]])
