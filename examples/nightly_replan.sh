@@ -7,27 +7,39 @@
 # FRESH_TRACE: a v1 trace of recent traffic (`moeplan profile`, `moeplan trace ingest`).
 # DEPLOYED_BUNDLE: the bundle serving now (`moeplan export`); its EP size is kept.
 # WORK_DIR: where the fitted predictor, the plan, the new bundle and verdict.json go (a new
-# temporary directory by default; one that exists must be empty).
+# temporary directory by default, named on the first line; one that exists must be empty,
+# and it may not lie inside DEPLOYED_BUNDLE). It is kept.
 #
 # Steps: split FRESH_TRACE by request (HOLDOUT of it held out), fit on the rest, solve with
 # the deployed plan's device numbers and a move cost (`solve --align-to --move-cost`),
 # export, verify, and score the new bundle against the deployed one on the held-out
 # requests (`evaluate --against --require-better`). Only a verdict of `better` (beyond the
 # 90% interval over requests) rolls the new bundle out: copied beside DEPLOYED_BUNDLE, the
-# deployed one renamed to DEPLOYED_BUNDLE.previous (replacing an older one) and the copy
-# renamed into its place, so a reader finds the old bundle or the new one, whole.
+# deployed one renamed to DEPLOYED_BUNDLE.previous (replacing an older one), and the copy
+# renamed into its place. A reader finds the old bundle or the new one, each whole, except
+# in the instant between the two renames, when there is none; an engine reads its bundle
+# when it starts. If the second rename fails, the first is undone.
 #
 # Environment: METHOD (ceo), MOVE_COST (0.002), HOLDOUT (0.3), SEED (0), JOBS (2),
-# FORMATS (moeplan,sglang,vllm-ascend,trtllm), MOEPLAN (the moeplan executable).
-# Exit 0 when the run decided (the last line says `rolled out` or `kept`); a failed step
-# exits with its status and leaves DEPLOYED_BUNDLE as it was.
+# FORMATS (moeplan,sglang,vllm-ascend,trtllm), MOEPLAN (the moeplan executable), PYTHON
+# (python3). Exit 0 when the run decided (the last line says `rolled out` or `kept`); a
+# failed step exits non-zero and leaves DEPLOYED_BUNDLE as it was. Two runs on one
+# DEPLOYED_BUNDLE at once are refused (a lock file beside it).
 set -euo pipefail
+fail() {
+  echo "nightly_replan.sh: $*" >&2
+  exit 2
+}
 if [ $# -lt 2 ] || [ $# -gt 3 ]; then
   echo "usage: $0 FRESH_TRACE DEPLOYED_BUNDLE [WORK_DIR]" >&2
   exit 2
 fi
 fresh="$1"
-deployed="${2%/}"
+[ -d "$2" ] || fail "$2 is not a directory (the bundle serving now)"
+deployed=$(cd -- "$2" && pwd -P)  # absolute, no trailing slash: the renames go beside it
+[ "$deployed" != "/" ] || fail "the deployed bundle cannot be /"
+exec 9> "$deployed.lock"
+flock -n 9 || fail "another run is re-planning $deployed (it holds $deployed.lock)"
 work="${3:-$(mktemp -d -t moeplan-nightly-XXXXXX)}"
 method="${METHOD:-ceo}"
 move_cost="${MOVE_COST:-0.002}"
@@ -36,20 +48,20 @@ seed="${SEED:-0}"
 jobs="${JOBS:-2}"
 formats="${FORMATS:-moeplan,sglang,vllm-ascend,trtllm}"
 moeplan="${MOEPLAN:-moeplan}"
+python="${PYTHON:-python3}"
 
+work=$(realpath -m -- "$work")  # absolute and resolved, before anything is made there
+case "$work/" in
+  "$deployed"/*) fail "the work directory $work lies inside the deployed bundle $deployed" ;;
+esac
 if [ -e "$work" ] && [ -n "$(ls -A "$work")" ]; then
-  echo "nightly_replan.sh: $work is not empty; give a new or empty work directory" >&2
-  exit 2
+  fail "$work is not empty; give a new or empty work directory"
 fi
 mkdir -p "$work"
+echo "work directory: $work"
 # the deployed bundle is checked (and its EP size read) before any work
-verified=$("$moeplan" export --verify "$deployed" --json)  # a bad path: one line, exit 2
-ep=$(python -c 'import json, sys; r = json.loads(sys.argv[1]); print(r["ep_size"] if r["ok"] else "")' \
-  "$verified")
-if [ -z "$ep" ]; then
-  echo "nightly_replan.sh: $deployed does not verify as a bundle (moeplan export --verify $deployed)" >&2
-  exit 2
-fi
+verified=$("$moeplan" export --verify "$deployed" --json)  # not a bundle: one line, exit 2
+ep=$("$python" -c 'import json, sys; print(json.loads(sys.argv[1])["ep_size"])' "$verified")
 
 echo "== split $fresh: $holdout of its requests held out to judge the plans on"
 "$moeplan" trace split "$fresh" --fit-out "$work/fit" --heldout-out "$work/heldout" \
@@ -66,24 +78,31 @@ echo "== the new bundle against $deployed on the held-out requests"
 status=0
 "$moeplan" evaluate "$work/bundle" "$work/heldout" --against "$deployed" --require-better \
   --json > "$work/verdict.json" || status=$?
-summary=$(python -c '
+if [ "$status" -ne 0 ] && [ "$status" -ne 1 ]; then
+  exit "$status"  # evaluate failed (its one-line error is above); nothing was decided
+fi
+summary=$("$python" -c '
 import json, sys
 v = json.load(open(sys.argv[1]))["against"]
 low, high = v["ratio_ci90"] or ("-", "-")
 ratio, verdict, moved, experts = v["ratio"], v["verdict"], v["experts_moved"], v["experts"]
+print(verdict)
 print(f"ratio {ratio} (90% interval {low}-{high}), {verdict}; "
       f"{moved} of {experts} experts change device")
 ' "$work/verdict.json")
-if [ "$status" -eq 1 ]; then
+verdict=$(head -n 1 <<< "$summary")
+summary=$(tail -n +2 <<< "$summary")
+if [ "$status" -eq 1 ] || [ "$verdict" != "better" ]; then
   echo "kept $deployed: $summary"
   exit 0
-elif [ "$status" -ne 0 ]; then
-  exit "$status"
 fi
 incoming="$deployed.incoming"
 rm -rf "$incoming"
 cp -r "$work/bundle" "$incoming"  # beside the deployed bundle: the renames stay on one disk
 rm -rf "$deployed.previous"
 mv "$deployed" "$deployed.previous"
-mv "$incoming" "$deployed"
+if ! mv "$incoming" "$deployed"; then
+  mv "$deployed.previous" "$deployed"
+  fail "could not move the new bundle into place; $deployed is as it was"
+fi
 echo "rolled out to $deployed (the previous bundle is $deployed.previous): $summary"

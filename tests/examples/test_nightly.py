@@ -23,7 +23,7 @@ SYNTH = SynthConfig(
 
 def _nightly(fresh: Path, deployed: Path, work: Path) -> subprocess.CompletedProcess:
     # this checkout's moeplan (child_env puts it first on the path), whatever is installed
-    moeplan = work.parent / f"moeplan-{work.name}"
+    moeplan = fresh.parent / f"moeplan-{work.name}"
     moeplan.write_text(
         f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -c "
         "'from planner.cli.entry import run; run()' \"$@\"\n"
@@ -55,7 +55,7 @@ def deployed(tmp_path_factory):
 def test_a_better_plan_is_rolled_out_then_kept(deployed):
     d, fresh, serving = deployed
     before = _files(serving)
-    run = _nightly(fresh, serving, d / "work1")
+    run = _nightly(fresh, Path(f"{serving}//"), d / "work1")  # a path as typed
     assert run.returncode == 0, run.stderr
     last = run.stdout.strip().splitlines()[-1]
     assert last.startswith(f"rolled out to {serving}") and "better" in last
@@ -79,6 +79,9 @@ def test_a_failed_step_leaves_the_serving_bundle_alone(deployed, tmp_path):
     assert run.returncode == 2
     assert "fingerprints differ" in run.stderr
     assert _files(serving) == now
+    run = _nightly(other, Path(f"{serving}//"), serving / "work")
+    assert run.returncode == 2 and "lies inside the deployed bundle" in run.stderr
+    assert _files(serving) == now and not (serving / "work").exists()
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "keep.txt").write_text("a user's file")
