@@ -17,11 +17,17 @@ experts, 9 layers). About 30 s per plan on the example, 60-90 s on FLAME-MoE (2 
 
     python benchmarks/replan_moves.py [--sources example,flame] [--ep 4,8]
         [--costs 0,0.0005,0.001,0.002,0.005] [--shift numeric] [--seed 7] [--out FILE]
+        [--plot FILE.png] [--replot REPORT.json ...]
+
+``--plot`` draws experts moved against the ratio to the deployed plan, one line per source
+and EP size, each point labelled with its move cost; ``--replot`` draws it from earlier
+reports (their cases pooled) without solving anything.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -34,6 +40,7 @@ from _common import emit_json, run  # noqa: E402  (benchmarks/ is on sys.path wh
 from compare_traces import source_trace  # noqa: E402
 
 from planner.evaluate.compare import against_deployed  # noqa: E402
+from planner.evaluate.plots import check_plot_path, plot_replan  # noqa: E402
 from planner.export.api import bundle_from_plan  # noqa: E402
 from planner.predict.fit import FitConfig, fit_predictor  # noqa: E402
 from planner.predict.split import split_trace, split_trace_by_domain  # noqa: E402
@@ -108,7 +115,19 @@ def main(argv=None) -> dict:
     ap.add_argument("--shift", default=None, help="a prompt domain the deployed plan never saw")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--plot", default=None, help="draw the trade-off to this .png/.svg/.pdf")
+    ap.add_argument("--replot", nargs="+", default=None, help="earlier reports to draw only")
     args = ap.parse_args(argv)
+    if args.plot:
+        check_plot_path(args.plot)  # before the work
+    if args.replot:
+        if not args.plot:
+            raise SystemExit("--replot draws earlier reports: give --plot FILE too")
+        cases = [c for path in args.replot for c in json.loads(Path(path).read_text())["cases"]]
+        print(plot_replan(cases, args.plot), file=sys.stderr)
+        report = {"benchmark": "replan_moves", "plot": args.plot, "cases": cases}
+        emit_json(report, args.out)
+        return report
     eps = [int(v) for v in args.ep.split(",")]
     costs = [float(v) for v in args.costs.split(",")]
     t0 = time.perf_counter()
@@ -124,6 +143,8 @@ def main(argv=None) -> dict:
         "cases": cases,
         "seconds": round(time.perf_counter() - t0, 1),
     }
+    if args.plot:
+        print(plot_replan(cases, args.plot), file=sys.stderr)
     emit_json(report, args.out)
     return report
 

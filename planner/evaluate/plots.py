@@ -181,3 +181,35 @@ def plot_expert_load(summary: dict, dest: str | os.PathLike, title: str = "") ->
     skew = summary.get("skewness_mean")
     ax.set_title(title or f"{summary.get('model', '')}: mean skewness (max/mean) {skew}")
     return _save(fig, dest)
+
+
+def plot_replan(cases: list[dict], dest: str | os.PathLike, title: str = "") -> Path:
+    """Experts moved against the ratio to the deployed plan, one line per (source, EP size)
+    over the move costs (``benchmarks/replan_moves.py``'s cases) -> the file written.
+
+    Each point is a new plan: its balanced LAR over the deployed plan's on the same held-out
+    traffic with the 90% interval as an error bar, labelled with its move cost.
+    """
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series: dict[tuple, list[dict]] = {}
+    for case in cases:
+        series.setdefault((case["source"], case["ep"]), []).append(case)
+    for (source, ep), points in series.items():
+        points = sorted(points, key=lambda c: c["move_cost"])
+        x = [c["experts_moved"] / c["experts"] for c in points]
+        y = [c["ratio"] for c in points]
+        err = [
+            [c["ratio"] - c["ratio_ci90"][0] for c in points],
+            [c["ratio_ci90"][1] - c["ratio"] for c in points],
+        ]
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=f"{source}, EP {ep}")
+        for c, xi, yi in zip(points, x, y, strict=True):
+            ax.annotate(f"{c['move_cost']:g}", (xi, yi), fontsize=7, xytext=(4, 4),
+                        textcoords="offset points")  # fmt: skip
+    ax.axhline(1.0, color="gray", ls=":", label="the deployed plan")
+    ax.set_xlabel("share of experts the rollout moves")
+    ax.set_ylabel("balanced LAR / deployed plan's (held out)")
+    ax.set_title(title or "Re-planning: experts moved against LAR gained, by move cost")
+    ax.legend(fontsize=8)
+    return _save(fig, dest)

@@ -6,7 +6,12 @@ import pytest
 
 from planner.errors import InputError
 from planner.evaluate import evaluate_bundle
-from planner.evaluate.plots import check_plot_path, plot_comparison, plot_evaluation
+from planner.evaluate.plots import (
+    check_plot_path,
+    plot_comparison,
+    plot_evaluation,
+    plot_replan,
+)
 from planner.trace import TraceMeta, open_trace, write_trace
 from tests.conftest import random_batch
 from tests.evaluate.test_metrics import _random_bundle
@@ -77,3 +82,17 @@ def test_evaluation_figure_of_a_trace_without_occurrences(tmp_path):
     for title in ("", "given"):
         out = plot_evaluation(report, tmp_path / f"e{title}.png")
         assert out.read_bytes().startswith(MAGIC[".png"])
+
+
+def test_replan_figure(tmp_path):
+    cases = [
+        {"source": src, "ep": ep, "move_cost": cost, "experts": 96 if ep == 4 else 512,
+         "experts_moved": moved,
+         "ratio": ratio, "ratio_ci90": [ratio - 0.01, ratio + 0.01]}
+        for src, ep, cost, moved, ratio in (
+            ("example", 4, 0.0, 28, 1.021), ("example", 4, 0.002, 12, 1.013),
+            ("flame", 8, 0.0, 186, 1.005), ("flame", 8, 0.005, 0, 0.987),
+        )
+    ]  # fmt: skip
+    out = plot_replan(cases, tmp_path / "replan.png")
+    assert out.read_bytes().startswith(MAGIC[".png"])
