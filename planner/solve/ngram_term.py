@@ -320,20 +320,9 @@ class NgramTerm:
                 [batch_freq * (1.0 - u), sparse.csr_matrix(u * np.outer(occurrences, share))],
                 format="csr",
             )
-        elif batch_freq is not None:
-            empty = sparse.csr_matrix((rows.shape[0], batch_freq.shape[1]))
-            batch_freq = sparse.vstack([batch_freq, empty], format="csr")
-        return LayerProblem(
-            sparse.vstack([problem.affinity, sparse.csr_matrix(rows)], format="csr"),
-            np.concatenate([problem.token_freq, np.zeros(rows.shape[0])]),
-            problem.ep_size,
-            beta=problem.beta,
-            balance=problem.balance,
-            theta=problem.theta,
-            layer=problem.layer,
-            batch_freq=batch_freq,
-            row_occurrences=np.concatenate([problem.occurrences, occurrences]),
-        )
+        else:  # empty batch rows (or no batches)
+            batch_freq = None
+        return problem.with_load_free_rows(rows, occurrences, batch_freq)
 
 
 def restrict(

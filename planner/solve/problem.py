@@ -301,6 +301,37 @@ class LayerProblem:
             row_occurrences=None if self.row_occurrences is None else self.row_occurrences[rows],
         )
 
+    def with_load_free_rows(
+        self,
+        rows: sparse.csr_matrix,
+        occurrences: np.ndarray,
+        batch_freq: sparse.csr_matrix | None = None,
+    ) -> LayerProblem:
+        """This problem with R load-free rows appended (no token load): the n-gram term's
+        context rows (:mod:`planner.solve.ngram_term`), the deployed plan's groups
+        (:mod:`planner.solve.settle`).
+
+        Args:
+            rows: [R, N] their affinities.
+            occurrences: [R] run-time occurrences each row stands for (``row_occurrences``).
+            batch_freq: the whole [J + R, G] batch matrix where the rows take a share of the
+                fitting batches; None gives them empty batch rows (when there are batches).
+
+        The result has no ``token_ids`` (they would not cover the new rows).
+        """
+        r = rows.shape[0]
+        if batch_freq is None and self.batch_freq is not None:
+            empty = sparse.csr_matrix((r, self.batch_freq.shape[1]))
+            batch_freq = sparse.vstack([self.batch_freq, empty], format="csr")
+        return dataclasses.replace(
+            self,
+            affinity=sparse.vstack([self.affinity, sparse.csr_matrix(rows)], format="csr"),
+            token_freq=np.concatenate([self.token_freq, np.zeros(r)]),
+            token_ids=None,
+            batch_freq=batch_freq,
+            row_occurrences=np.concatenate([self.occurrences, occurrences]),
+        )
+
     def heaviest_rows(self, count: int, among: np.ndarray | None = None) -> np.ndarray:
         """Sorted row ids of the ``count`` rows of largest :attr:`row_mass` (of ``among``).
 

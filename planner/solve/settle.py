@@ -76,22 +76,7 @@ def with_deployed(problem: LayerProblem, reference: np.ndarray, stay_bonus: floa
     rows = sparse.csr_matrix(
         (np.full(n, float(stay_bonus)), (ref, np.arange(n))), shape=(e, n), dtype=np.float64
     )
-    batch_freq = problem.batch_freq
-    if batch_freq is not None:
-        batch_freq = sparse.vstack(
-            [batch_freq, sparse.csr_matrix((e, batch_freq.shape[1]))], format="csr"
-        )
-    return LayerProblem(
-        sparse.vstack([problem.affinity, rows], format="csr"),
-        np.concatenate([problem.token_freq, np.zeros(e)]),
-        e,
-        beta=problem.beta,
-        balance=problem.balance,
-        theta=problem.theta,
-        layer=problem.layer,
-        batch_freq=batch_freq,
-        row_occurrences=np.concatenate([problem.occurrences, np.zeros(e)]),
-    )
+    return problem.with_load_free_rows(rows, np.zeros(e))
 
 
 def without_deployed(
