@@ -148,9 +148,9 @@ def solve(
     move_cost: float = typer.Option(
         0.0,
         "--move-cost",
-        help="With --align-to: the LAR an expert's move must gain for the plan to move it "
-        "off its deployed device (e.g. 0.002); each layer is settled onto the deployed "
-        "plan as it is solved (0: move freely).",
+        help="With --align-to: the LAR a layer must gain per expert it moves off its "
+        "deployed device (e.g. 0.002); every solver weighs the moves in its own search "
+        "(0: move freely).",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the per-layer reports as JSON."),
 ) -> None:

@@ -66,7 +66,7 @@ from planner.solve.ngram_term import DEFAULT_WEIGHT, MAX_WEIGHT, NgramTerm
 from planner.solve.plan import Plan, solve_model
 from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig, check_expert_beta
 from planner.solve.registry import check_method_options, get_solver
-from planner.solve.settle import check_replan
+from planner.solve.settle import check_move_cost, check_replan
 from planner.trace.schema import TraceMeta
 
 # Sweeps of the chain polish a plan may ask for.
@@ -170,8 +170,7 @@ class PlanConfig:
             )
         if self.chain_passes and self.ngram_weight == 0:
             raise InputError("chain_passes needs the n-gram term: ngram_weight must be > 0")
-        if not 0 <= self.move_cost <= 1:  # (NaN too)
-            raise InputError(f"move_cost={self.move_cost} must be a LAR share in [0, 1]")
+        check_move_cost(self.move_cost)
         if self.move_cost and self.method == "vanilla":
             raise InputError("move_cost does not apply to vanilla (the contiguous layout)")
         if self.move_cost and self.chain_passes:

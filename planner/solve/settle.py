@@ -42,14 +42,19 @@ from planner.solve.common import finish
 from planner.solve.problem import LayerPlacement, LayerProblem
 
 
+def check_move_cost(move_cost: float) -> None:
+    """InputError unless ``move_cost`` is a LAR share in [0, 1] (NaN is not)."""
+    if not (is_real(move_cost) and 0 <= move_cost <= 1):
+        raise InputError(f"move_cost={move_cost!r} must be a LAR share in [0, 1]")
+
+
 def check_replan(
     reference: np.ndarray | None, move_cost: float, num_layers: int, num_experts: int, ep_size: int
 ) -> np.ndarray | None:
     """``reference`` as an int64 [L, N] array fit for ``move_cost`` (None when the cost is 0
     and no reference is given); one-line errors for a cost out of [0, 1], a cost without a
     reference, and a reference of another shape or EP size."""
-    if not (is_real(move_cost) and 0 <= move_cost <= 1):
-        raise InputError(f"move_cost={move_cost!r} must be a LAR share in [0, 1]")
+    check_move_cost(move_cost)
     if reference is None:
         if move_cost:
             raise InputError("move_cost needs the deployed plan to count moves from (--align-to)")
