@@ -14,11 +14,12 @@
 # the deployed plan's device numbers and a move cost (`solve --align-to --move-cost`),
 # export, verify, and score the new bundle against the deployed one on the held-out
 # requests (`evaluate --against --require-better`). Only a verdict of `better` (beyond the
-# 90% interval over requests) rolls the new bundle out: copied beside DEPLOYED_BUNDLE, the
-# deployed one renamed to DEPLOYED_BUNDLE.previous (replacing an older one), and the copy
-# renamed into its place. A reader finds the old bundle or the new one, each whole, except
-# in the instant between the two renames, when there is none; an engine reads its bundle
-# when it starts. If the second rename fails, the first is undone.
+# 90% interval over requests) rolls the new bundle out: copied beside DEPLOYED_BUNDLE and
+# swapped into its place in one step (Linux; the deployed one then renamed to
+# DEPLOYED_BUNDLE.previous, replacing an older one). A reader finds the old bundle or the
+# new one, each whole, never none. Where the swap is not supported (other systems, some
+# filesystems) it takes two renames, with an instant between them when there is none (an
+# engine reads its bundle when it starts); if the second fails, the first is undone.
 #
 # Environment: METHOD (ceo), MOVE_COST (0.002), HOLDOUT (0.3), SEED (0), JOBS (2),
 # FORMATS (moeplan,sglang,vllm-ascend,trtllm), MOEPLAN (the moeplan executable), PYTHON
@@ -100,9 +101,19 @@ incoming="$deployed.incoming"
 rm -rf "$incoming"
 cp -r "$work/bundle" "$incoming"  # beside the deployed bundle: the renames stay on one disk
 rm -rf "$deployed.previous"
-mv "$deployed" "$deployed.previous"
-if ! mv "$incoming" "$deployed"; then
-  mv "$deployed.previous" "$deployed"
-  fail "could not move the new bundle into place; $deployed is as it was"
+# One step where the system can swap two directories (Linux renameat2 RENAME_EXCHANGE, via
+# planner._io.exchange_paths): a reader never finds no bundle. Elsewhere two renames.
+swap='import sys; from planner._io import exchange_paths; sys.exit(0 if exchange_paths(*sys.argv[1:]) else 1)'
+if "$python" -c "$swap" "$incoming" "$deployed" 2> /dev/null; then
+  how="swapped in one step"
+  mv "$incoming" "$deployed.previous" ||
+    fail "rolled out to $deployed, but the previous bundle stays at $incoming: $summary"
+else
+  how="two renames"
+  mv "$deployed" "$deployed.previous"
+  if ! mv "$incoming" "$deployed"; then
+    mv "$deployed.previous" "$deployed"
+    fail "could not move the new bundle into place; $deployed is as it was"
+  fi
 fi
-echo "rolled out to $deployed (the previous bundle is $deployed.previous): $summary"
+echo "rolled out to $deployed ($how; the previous bundle is $deployed.previous): $summary"

@@ -74,7 +74,7 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
             # os.replace cannot replace a non-empty directory. Linux swaps the two in one
             # step (renameat2 RENAME_EXCHANGE), so there is no moment without ``dest``; the
             # old directory, now at ``tmp``, is removed below.
-            if _exchange(tmp, dest):
+            if exchange_paths(tmp, dest):
                 written = True
                 return
             # Elsewhere: via a backup name of its own (a fixed name could be a user's file),
@@ -108,9 +108,13 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
                 break
 
 
-def _exchange(a: Path, b: Path) -> bool:
+def exchange_paths(a: str | os.PathLike, b: str | os.PathLike) -> bool:
     """Swap paths ``a`` and ``b`` atomically (Linux renameat2 RENAME_EXCHANGE); False where
-    the call or the filesystem does not support it."""
+    the call or the filesystem does not support it, or it failed (both paths as they were).
+
+    A reader of either path sees the old entry or the new one, never none: this is how a
+    directory (a bundle) replaces another with no moment between.
+    """
     try:
         import ctypes
 

@@ -302,7 +302,7 @@ def test_a_backup_folder_is_removed_when_the_old_output_cannot_be_moved(tmp_path
     dest = tmp_path / "plan"
     dest.mkdir()
     (dest / "plan.json").write_text("old")
-    monkeypatch.setattr(_io, "_exchange", lambda a, b: False)  # the two-step path
+    monkeypatch.setattr(_io, "exchange_paths", lambda a, b: False)  # the two-step path
 
     def busy(src, dst):
         raise OSError(16, "Device or resource busy")

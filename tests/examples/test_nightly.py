@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from planner._io import exchange_paths
 from planner.cli.main import main
 from planner.trace.synth import SynthConfig, synthesize
 from tests.conftest import child_env
@@ -21,7 +22,9 @@ SYNTH = SynthConfig(
 )  # fmt: skip
 
 
-def _nightly(fresh: Path, deployed: Path, work: Path) -> subprocess.CompletedProcess:
+def _nightly(
+    fresh: Path, deployed: Path, work: Path, python: str = sys.executable
+) -> subprocess.CompletedProcess:
     # this checkout's moeplan (child_env puts it first on the path), whatever is installed
     moeplan = fresh.parent / f"moeplan-{work.name}"
     moeplan.write_text(
@@ -29,7 +32,9 @@ def _nightly(fresh: Path, deployed: Path, work: Path) -> subprocess.CompletedPro
         "'from planner.cli.entry import run; run()' \"$@\"\n"
     )
     moeplan.chmod(0o755)
-    env = child_env(METHOD="kmeans", JOBS="1", FORMATS="moeplan", MOEPLAN=str(moeplan))
+    env = child_env(
+        METHOD="kmeans", JOBS="1", FORMATS="moeplan", MOEPLAN=str(moeplan), PYTHON=python
+    )
     return subprocess.run(
         ["bash", str(SCRIPT), str(fresh), str(deployed), str(work)],
         env=env, capture_output=True, text=True, timeout=600,
@@ -54,11 +59,14 @@ def deployed(tmp_path_factory):
 
 def test_a_better_plan_is_rolled_out_then_kept(deployed):
     d, fresh, serving = deployed
+    a, b = d / "swap-a", d / "swap-b"
+    a.mkdir(), b.mkdir()
+    assert exchange_paths(a, b), "renameat2 RENAME_EXCHANGE works here: the one-step rollout"
     before = _files(serving)
     run = _nightly(fresh, Path(f"{serving}//"), d / "work1")  # a path as typed
     assert run.returncode == 0, run.stderr
     last = run.stdout.strip().splitlines()[-1]
-    assert last.startswith(f"rolled out to {serving}") and "better" in last
+    assert last.startswith(f"rolled out to {serving} (swapped in one step;") and "better" in last
     assert _files(serving / ".." / "serving.previous") == before  # kept whole beside it
     assert not (d / "serving.incoming").exists()
     assert main(["export", "--verify", str(serving), "--json"]) == 0
@@ -88,3 +96,22 @@ def test_a_failed_step_leaves_the_serving_bundle_alone(deployed, tmp_path):
     run = _nightly(other, serving, busy)
     assert run.returncode == 2 and "is not empty" in run.stderr
     assert (busy / "keep.txt").read_text() == "a user's file"
+
+
+def test_the_rollout_takes_two_renames_where_no_swap_is_supported(deployed, tmp_path):
+    d, fresh, _ = deployed
+    serving = tmp_path / "serving"
+    assert main(["export", str(d / "plan"), "--out", str(serving), "--json"]) == 0
+    before = _files(serving)
+    python = tmp_path / "python-without-swap"  # the swap reports "not supported"
+    python.write_text(
+        '#!/bin/sh\ncase "$2" in *exchange_paths*) exit 1 ;; esac\n'
+        f'exec {shlex.quote(sys.executable)} "$@"\n'
+    )
+    python.chmod(0o755)
+    run = _nightly(fresh, serving, tmp_path / "work", python=str(python))
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1].startswith(f"rolled out to {serving} (two renames;")
+    assert _files(tmp_path / "serving.previous") == before
+    assert not (tmp_path / "serving.incoming").exists()
+    assert main(["export", "--verify", str(serving), "--json"]) == 0
