@@ -159,14 +159,16 @@ def gather_rows(
         return out
 
     if block_cols is None:
-        block_cols = min(DEFAULT_BLOCK_COLS, triton.next_power_of_2(hidden))
+        block_cols = min(DEFAULT_BLOCK_COLS, 1 << (hidden - 1).bit_length())  # next power of 2
     if block_cols <= 0 or block_cols & (block_cols - 1):
         raise InputError(f"block_cols must be a power of two, got {block_cols}")
     if block_rows is None:
         block_rows = max(1, DEFAULT_BLOCK_ELEMS // block_cols)
     if block_rows <= 0 or block_rows & (block_rows - 1):
         raise InputError(f"block_rows must be a power of two, got {block_rows}")
-    grid = (triton.cdiv(num_rows, block_rows), triton.cdiv(hidden, block_cols))
+    # plain integer ceilings: triton.cdiv on the host costs microseconds a call, a sizeable
+    # share of a 90 us gather (benchmarks/RESULTS.md, the GPU paragraph)
+    grid = (-(-num_rows // block_rows), -(-hidden // block_cols))
     _gather_rows_kernel[grid](
         bit_view(src),  # bits, not floats: fp8 as well as fp32 (see bit_view)
         index,
