@@ -42,3 +42,22 @@ def run(main: Callable[[], object]) -> None:
         print(f"{Path(sys.argv[0]).name}: error: {what}", file=sys.stderr)
         sys.exit(2)
     sys.exit(status if isinstance(status, int) and not isinstance(status, bool) else 0)
+
+
+def time_cuda(fn: Callable[[], object], repeats: int) -> float:
+    """Median milliseconds of ``fn`` over ``repeats`` calls on the current CUDA stream, timed
+    with CUDA events after one warm-up call."""
+    import statistics
+
+    import torch
+
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)

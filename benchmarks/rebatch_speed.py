@@ -23,7 +23,7 @@ import statistics
 import time
 
 import torch
-from _common import run  # (benchmarks/ is on sys.path when run as a script)
+from _common import run, time_cuda  # (benchmarks/ is on sys.path when run as a script)
 
 from planner.runtime_shim import kernels
 from planner.runtime_shim.rebatch import apply_rebatch, plan_rebatch, rebatch, resume
@@ -93,30 +93,21 @@ def gpu_case(tokens: int, hidden: int, ep: int, dtype: torch.dtype, repeats: int
     shuffled = torch.empty((info.padded_rows, hidden), device="cuda", dtype=dtype)
     back = torch.empty_like(x)
 
-    def time_cuda(fn) -> float:
-        fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(repeats):
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
+    def timed(fn) -> float:
+        return time_cuda(fn, repeats)
 
     elem = x.element_size()
     perm = torch.randperm(tokens, device="cuda")
-    rebatch_ms = time_cuda(
+    rebatch_ms = timed(
         lambda: kernels.gather_rows(x, info.slot_to_token, shuffled, check_index=False)
     )
-    resume_ms = time_cuda(
+    resume_ms = timed(
         lambda: kernels.gather_rows(shuffled, info.token_to_slot, back, check_index=False)
     )
-    full_ms = time_cuda(lambda: rebatch(x, devices, ep))  # plan + kernel, host syncs included
-    torch_ms = time_cuda(lambda: torch.index_select(x, 0, perm, out=back))
+    full_ms = timed(lambda: rebatch(x, devices, ep))  # plan + kernel, host syncs included
+    torch_ms = timed(lambda: torch.index_select(x, 0, perm, out=back))
     copy_dst = torch.empty_like(x)
-    copy_ms = time_cuda(lambda: copy_dst.copy_(x))
+    copy_ms = timed(lambda: copy_dst.copy_(x))
     # Padding rows are written but not read; index reads are 8 bytes per row.
     rebatch_bytes = (tokens + info.padded_rows) * hidden * elem + info.padded_rows * 8
     resume_bytes = 2 * tokens * hidden * elem + tokens * 8

@@ -18,29 +18,15 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 
 import torch
-from _common import emit_json, run  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from _common import emit_json, run, time_cuda  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 from planner.runtime_shim import kernels
 from planner.runtime_shim.rebatch import plan_rebatch
 
+REPEATS = 50  # timed calls per configuration (median)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-
-
-def time_cuda(fn, repeats: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeats):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main(argv=None) -> int:
@@ -70,7 +56,7 @@ def sweep(x: torch.Tensor, info) -> dict:
     out = torch.empty((info.padded_rows, hidden), device="cuda", dtype=x.dtype)
     moved = (tokens + info.padded_rows) * hidden * x.element_size()
     copy_dst = torch.empty_like(x)
-    copy_ms = time_cuda(lambda: copy_dst.copy_(x))
+    copy_ms = time_cuda(lambda: copy_dst.copy_(x), REPEATS)
     rows: dict = {"copy_gbs": round(2 * x.numel() * x.element_size() / copy_ms / 1e6, 1)}
     src, dst = kernels.bit_view(x), kernels.bit_view(out)
     configs = []
@@ -87,7 +73,7 @@ def sweep(x: torch.Tensor, info) -> dict:
                 BLOCK_ROWS=br, BLOCK_COLS=bc, num_warps=w,
             )  # fmt: skip
 
-        ms = time_cuda(launch)
+        ms = time_cuda(launch, REPEATS)
         configs.append({"block_rows": block_rows, "block_cols": block_cols, "warps": warps,
                         "ms": round(ms, 4), "gbs": round(moved / ms / 1e6, 1)})  # fmt: skip
     configs.sort(key=lambda c: -c["gbs"])
