@@ -65,7 +65,7 @@ def sweep(x: torch.Tensor, info) -> dict:
     ):
         if block_rows * block_cols > 65536 or block_cols > 2 * hidden:
             continue
-        grid = (triton_cdiv(info.padded_rows, block_rows), triton_cdiv(hidden, block_cols))
+        grid = kernels.launch_grid(info.padded_rows, hidden, block_rows, block_cols)
 
         def launch(br=block_rows, bc=block_cols, w=warps, grid=grid):
             kernels._gather_rows_kernel[grid](
@@ -79,16 +79,9 @@ def sweep(x: torch.Tensor, info) -> dict:
     configs.sort(key=lambda c: -c["gbs"])
     rows["best"] = configs[:8]
     rows["all"] = configs
-    rows["default"] = [
-        c for c in configs
-        if c["block_cols"] == min(kernels.DEFAULT_BLOCK_COLS, 1 << (hidden - 1).bit_length())
-        and c["block_rows"] == kernels.DEFAULT_BLOCK_ELEMS // c["block_cols"]
-    ]  # fmt: skip
+    tile = kernels.launch_tile(hidden)
+    rows["default"] = [c for c in configs if (c["block_rows"], c["block_cols"]) == tile]
     return rows
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 if __name__ == "__main__":

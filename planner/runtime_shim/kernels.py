@@ -79,6 +79,32 @@ if HAS_TRITON:
         tl.store(out_ptr + out_offsets, values, mask=row_ok[:, None] & col_ok[None, :])
 
 
+def launch_tile(
+    hidden: int, block_rows: int | None = None, block_cols: int | None = None
+) -> tuple[int, int]:
+    """(rows, columns) per program of :func:`gather_rows` for rows of ``hidden`` >= 1
+    elements: the given ones, checked to be powers of two, or the defaults (columns up to
+    :data:`DEFAULT_BLOCK_COLS`, :data:`DEFAULT_BLOCK_ELEMS` elements a program)."""
+    if block_cols is None:
+        block_cols = min(DEFAULT_BLOCK_COLS, 1 << (hidden - 1).bit_length())  # next power of 2
+    if block_cols <= 0 or block_cols & (block_cols - 1):
+        raise InputError(f"block_cols must be a power of two, got {block_cols}")
+    if block_rows is None:
+        block_rows = max(1, DEFAULT_BLOCK_ELEMS // block_cols)
+    if block_rows <= 0 or block_rows & (block_rows - 1):
+        raise InputError(f"block_rows must be a power of two, got {block_rows}")
+    return block_rows, block_cols
+
+
+def launch_grid(num_rows: int, hidden: int, block_rows: int, block_cols: int) -> tuple[int, int]:
+    """The kernel's launch grid: programs along the rows, then along the columns.
+
+    Plain integer ceilings: ``triton.cdiv`` on the host costs microseconds a call, a sizeable
+    share of a 90 us gather (benchmarks/RESULTS.md, the GPU paragraph).
+    """
+    return -(-num_rows // block_rows), -(-hidden // block_cols)
+
+
 def gather_rows(
     src: torch.Tensor,
     index: torch.Tensor,
@@ -158,17 +184,8 @@ def gather_rows(
     if num_rows == 0 or hidden == 0:
         return out
 
-    if block_cols is None:
-        block_cols = min(DEFAULT_BLOCK_COLS, 1 << (hidden - 1).bit_length())  # next power of 2
-    if block_cols <= 0 or block_cols & (block_cols - 1):
-        raise InputError(f"block_cols must be a power of two, got {block_cols}")
-    if block_rows is None:
-        block_rows = max(1, DEFAULT_BLOCK_ELEMS // block_cols)
-    if block_rows <= 0 or block_rows & (block_rows - 1):
-        raise InputError(f"block_rows must be a power of two, got {block_rows}")
-    # plain integer ceilings: triton.cdiv on the host costs microseconds a call, a sizeable
-    # share of a 90 us gather (benchmarks/RESULTS.md, the GPU paragraph)
-    grid = (-(-num_rows // block_rows), -(-hidden // block_cols))
+    block_rows, block_cols = launch_tile(hidden, block_rows, block_cols)
+    grid = launch_grid(num_rows, hidden, block_rows, block_cols)
     _gather_rows_kernel[grid](
         bit_view(src),  # bits, not floats: fp8 as well as fp32 (see bit_view)
         index,
