@@ -22,6 +22,7 @@ from planner.solve.ngram_term import DEFAULT_WEIGHT
 from planner.solve.pipeline import PlanConfig, make_plan
 from planner.solve.plan import check_plan_output
 from planner.solve.registry import SOLVERS
+from planner.solve.settle import check_move_cost
 from planner.trace import open_trace
 
 
@@ -182,8 +183,7 @@ def solve(
             )
         chain_passes = 0  # a --config file's, for the methods it applies to
     _check_lp_path(opts, inputs, (out,))
-    if not 0 <= move_cost <= 1:  # (NaN too)
-        raise InputError(f"--move-cost {move_cost} must be a LAR share in [0, 1], e.g. 0.002")
+    check_move_cost(move_cost, "--move-cost")
     if move_cost and (deployed is None or method == "vanilla"):
         if typed(ctx, "move_cost"):
             raise InputError(

@@ -42,10 +42,11 @@ from planner.solve.common import finish
 from planner.solve.problem import LayerPlacement, LayerProblem
 
 
-def check_move_cost(move_cost: float) -> None:
-    """InputError unless ``move_cost`` is a LAR share in [0, 1] (NaN is not)."""
+def check_move_cost(move_cost: float, name: str = "move_cost") -> None:
+    """InputError unless ``move_cost`` is a LAR share in [0, 1] (NaN is not); the message
+    calls it ``name`` (the CLI's ``--move-cost``)."""
     if not (is_real(move_cost) and 0 <= move_cost <= 1):
-        raise InputError(f"move_cost={move_cost!r} must be a LAR share in [0, 1]")
+        raise InputError(f"{name}={move_cost!r} must be a LAR share in [0, 1], e.g. 0.002")
 
 
 def check_replan(
