@@ -17,7 +17,10 @@ experts, 9 layers). About 30 s per plan on the example, 60-90 s on FLAME-MoE (2 
 
     python benchmarks/replan_moves.py [--sources example,flame] [--ep 4,8]
         [--costs 0,0.0005,0.001,0.002,0.005] [--shift numeric] [--seed 7] [--out FILE]
-        [--plot FILE.png] [--replot REPORT.json ...]
+        [--plot FILE.png] [--replot REPORT.json ...] [--chain-passes 0]
+
+``--chain-passes N`` gives every plan (the deployed one and the new ones) the chain polish
+(:mod:`planner.solve.chain`), which counts the moves at the same cost.
 
 ``--plot`` draws experts moved against the ratio to the deployed plan, one line per source
 and EP size, each point labelled with its move cost; ``--replot`` draws it from earlier
@@ -57,7 +60,9 @@ def thirds(trace: Path, work: Path, seed: int) -> tuple[Path, Path, Path]:
     return a, b, c
 
 
-def run_source(name: str, work: Path, eps: list[int], costs: list[float], shift, seed) -> list:
+def run_source(
+    name: str, work: Path, eps: list[int], costs: list[float], shift, seed, chain_passes: int = 0
+) -> list:
     trace = source_trace(name, work)
     a, b, c = thirds(trace, work, seed)
     if shift:
@@ -70,12 +75,16 @@ def run_source(name: str, work: Path, eps: list[int], costs: list[float], shift,
     held = open_trace(c)
     cases = []
     for ep in eps:
-        deployed = make_plan(deployed_predictor, PlanConfig(ep_size=ep), progress=False)
+        deployed = make_plan(
+            deployed_predictor, PlanConfig(ep_size=ep, chain_passes=chain_passes), progress=False
+        )
         deployed_bundle = bundle_from_plan(deployed)
         for cost in costs:
             t0 = time.perf_counter()
             plan = make_plan(
-                new_predictor, PlanConfig(ep_size=ep, move_cost=cost), progress=False,
+                new_predictor,
+                PlanConfig(ep_size=ep, move_cost=cost, chain_passes=chain_passes),
+                progress=False,
                 reference=deployed.expert_to_device,
             )  # fmt: skip
             plan = align_plan(plan, deployed.expert_to_device, deployed.fingerprint)
@@ -114,6 +123,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--costs", default="0,0.0005,0.001,0.002,0.005")
     ap.add_argument("--shift", default=None, help="a prompt domain the deployed plan never saw")
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument(
+        "--chain-passes", type=int, default=0, help="the chain polish on every plan (sweeps)"
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None, help="draw the trade-off to this .png/.svg/.pdf")
     ap.add_argument("--replot", nargs="+", default=None, help="earlier reports to draw only")
@@ -135,7 +147,9 @@ def main(argv=None) -> dict:
         cases = [
             case
             for name in args.sources.split(",")
-            for case in run_source(name, Path(tmp), eps, costs, args.shift, args.seed)
+            for case in run_source(
+                name, Path(tmp), eps, costs, args.shift, args.seed, args.chain_passes
+            )
         ]
     report = {
         "benchmark": "replan_moves",

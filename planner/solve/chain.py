@@ -76,6 +76,7 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
+from scipy import sparse
 
 from planner.predict.ngram import MAX_ORDER, target_tuples
 from planner.solve.common import (
@@ -91,6 +92,7 @@ from planner.solve.expert_balance import ExpertLimit
 from planner.solve.ngram_term import NgramTerm
 from planner.solve.polish import best_outside
 from planner.solve.problem import LayerPlacement, LayerProblem
+from planner.solve.settle import deployed_rows, experts_kept
 
 # Entries of the [pairs, rows] blocks the swap deltas are computed in.
 _BLOCK = 1 << 22
@@ -111,6 +113,8 @@ def chain_polish(
     batch_aware: bool = True,
     layer_effort: float | None = DEFAULT_LAYER_EFFORT,
     expert_beta: float | None = None,
+    reference: np.ndarray | None = None,
+    move_cost: float = 0.0,
 ) -> dict[int, LayerPlacement]:
     """Polish the layers of one run; returns the placements that changed, by layer.
 
@@ -128,6 +132,11 @@ def chain_polish(
         expert_beta: the expert-load cap (:mod:`planner.solve.expert_balance`): only swaps
             that keep every device within it (or within the layer's peak where that is
             higher) are made.
+        reference, move_cost: re-planning a deployed model (:mod:`planner.solve.settle`):
+            with ``move_cost`` > 0 each layer's terms include the deployed groups of
+            ``reference`` [L, N] as load-free rows worth ``move_cost`` times the layer's
+            routed activations for each expert kept with its group, as the layers were
+            solved; a swap that moves experts must pay for the moves.
     """
     x_all = np.stack([p.expert_to_device for p in placements]).astype(np.int64)
     t_all = {layer: placements[layer].token_to_device for layer in run}
@@ -136,7 +145,11 @@ def chain_polish(
         moved = False
         for layer in run:
             started = time.perf_counter()
-            parts = LayerTerms(problems, term, x_all, layer, run, batch_aware)
+            deployed = None
+            if reference is not None and move_cost > 0:
+                bonus = move_cost * problems[layer].total_activations
+                deployed = deployed_rows(reference[layer], problems[layer].ep_size, bonus)
+            parts = LayerTerms(problems, term, x_all, layer, run, batch_aware, deployed)
             x_old, t_old = x_all[layer], t_all[layer]
             meter = Effort(stop=layer_effort)
             limit = ExpertLimit.of(parts.problem, expert_beta)
@@ -162,10 +175,13 @@ def chain_polish(
                 "swaps": prior["swaps"] + swaps,
                 "gain": prior["gain"] + (after - before),
             }
-            if parts.rows is not None and "ngram_term" in info:
+            if parts.ngram_rows and "ngram_term" in info:
                 info["ngram_term"] = dict(
-                    info["ngram_term"], local_rate=parts.context_value(x_new) / parts.rows_total
+                    info["ngram_term"], local_rate=parts.ngram_value(x_new) / parts.rows_total
                 )
+            if deployed is not None:
+                assert reference is not None  # deployed rows come from it
+                info["deployed_rows"] = {"experts_kept": experts_kept(reference[layer], x_new)}
             changed[layer] = finish(  # seconds: the solver's and the polish's
                 problem, old.method, x_new, seed=old.seed, started=started - old.seconds,
                 token_to_device=t_new, info=info,
@@ -179,8 +195,10 @@ class LayerTerms:
     """The chain objective's terms that layer ``layer``'s expert placement touches.
 
     Attributes:
-        rows: [C, N] the layer's own n-gram context rows times its factor (None when its
-            context reaches before the run).
+        rows: [C, N] the layer's own n-gram context rows times its factor, then (with
+            ``deployed``) the deployed groups' E rows of :func:`planner.solve.settle.
+            deployed_rows`; None when there are none (the context reaches before the run).
+        ngram_rows: C, how many of ``rows`` are n-gram context rows.
         forward: per later layer m of the run whose context holds this layer, the weighted
             counts K [O, N, E] of the module doc (O: the other positions' seen contexts).
     """
@@ -193,6 +211,7 @@ class LayerTerms:
         layer: int,
         run: Sequence[int],
         batch_aware: bool,
+        deployed: sparse.csr_matrix | None = None,
     ):
         self.problem = problem = problems[layer]
         self.batch_aware = batch_aware
@@ -200,8 +219,14 @@ class LayerTerms:
         self.e = e
         # layer l's own context rows (placed layers l-n .. l-1 of the run)
         rows = term.context_rows(problem, layer, x_all, run[0])
-        self.rows: np.ndarray | None = None if rows is None else rows.toarray()
-        self.rows_total = 0.0 if self.rows is None else float(self.rows.sum())
+        context = None if rows is None else rows.toarray()
+        self.ngram_rows = 0 if context is None else context.shape[0]
+        self.rows_total = 0.0 if context is None else float(context.sum())
+        # the deployed groups are load-free rows too: each goes to its best device
+        blocks = [
+            b for b in (context, None if deployed is None else deployed.toarray()) if b is not None
+        ]
+        self.rows: np.ndarray | None = np.vstack(blocks) if blocks else None
         # later layers m = l + i whose contexts hold layer l at position i
         self.forward: list[np.ndarray] = []
         last = run[-1]
@@ -247,6 +272,12 @@ class LayerTerms:
         if self.rows is None:
             return 0.0
         return float(self._grouped_rows(x).max(axis=1).sum())
+
+    def ngram_value(self, x: np.ndarray) -> float:
+        """The n-gram context rows' part of :meth:`context_value`."""
+        if not self.ngram_rows:
+            return 0.0
+        return float(self._grouped_rows(x)[: self.ngram_rows].max(axis=1).sum())
 
     def forward_value(self, x: np.ndarray) -> float:
         return float(sum(self._grouped_forward(k, x).max(axis=2).sum() for k in self.forward))

@@ -115,7 +115,8 @@ class PlanConfig:
         move_cost: re-planning a deployed model (``make_plan``'s ``reference``): the LAR a
             layer must gain per expert that leaves its deployed group
             (:mod:`planner.solve.settle`), e.g. 0.002; 0 (the default) moves experts
-            freely. Needs a reference; not with ``vanilla`` or the chain polish.
+            freely. Needs a reference; not with ``vanilla``. The chain polish counts the
+            moves too.
     """
 
     method: str = "ceo"
@@ -173,11 +174,6 @@ class PlanConfig:
         check_move_cost(self.move_cost)
         if self.move_cost and self.method == "vanilla":
             raise InputError("move_cost does not apply to vanilla (the contiguous layout)")
-        if self.move_cost and self.chain_passes:
-            raise InputError(
-                "move_cost and chain_passes do not combine: the chain polish moves experts "
-                "without counting the moves; use one of them"
-            )
 
     def solver_config(self) -> SolverConfig:
         return SolverConfig(

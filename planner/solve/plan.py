@@ -117,7 +117,7 @@ def solve_model(
             (:mod:`planner.solve.ngram_term`); None solves every layer on its own.
         chain_passes: with ``ngram_term``, sweeps of the chain polish
             (:mod:`planner.solve.chain`) over each run once all its layers are placed;
-            0 skips it.
+            0 skips it. With a move cost the polish counts the moves as the solvers do.
         reference, move_cost: re-planning a deployed model (:mod:`planner.solve.settle`):
             with ``move_cost`` > 0 each layer is solved with ``reference``'s groups ([L, N],
             the deployed device of each expert) as load-free rows, so that an expert leaves
@@ -190,7 +190,14 @@ def solve_model(
             # Runs are polished independently (a run's terms read only its own layers).
             tasks = [
                 _polish_task(
-                    problems, placements, ngram_term, run, chain_passes, config.expert_beta
+                    problems,
+                    placements,
+                    ngram_term,
+                    run,
+                    chain_passes,
+                    config.expert_beta,
+                    deployed,
+                    move_cost,
                 )
                 for run in runs
             ]
@@ -238,16 +245,21 @@ def _worker_pool(workers: int) -> Iterator[cf.ProcessPoolExecutor]:
             os.environ.pop(name, None)
 
 
-def _polish_task(problems, placements, term, run, passes, expert_beta) -> tuple:
+def _polish_task(
+    problems, placements, term, run, passes, expert_beta, reference, move_cost
+) -> tuple:
     """Arguments of :func:`_polish_run` for one run: only the run's problems travel."""
     members = set(run)
     kept = [p if i in members else None for i, p in enumerate(problems)]
-    return kept, placements, term, run, passes, expert_beta
+    return kept, placements, term, run, passes, expert_beta, reference, move_cost
 
 
 def _polish_run(args: tuple) -> dict[int, LayerPlacement]:
-    problems, placements, term, run, passes, expert_beta = args
-    return chain_polish(problems, placements, term, run, passes=passes, expert_beta=expert_beta)
+    problems, placements, term, run, passes, expert_beta, reference, move_cost = args
+    return chain_polish(
+        problems, placements, term, run, passes=passes, expert_beta=expert_beta,
+        reference=reference, move_cost=move_cost,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True, eq=False)

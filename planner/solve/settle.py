@@ -77,12 +77,28 @@ def with_deployed(problem: LayerProblem, reference: np.ndarray, stay_bonus: floa
         reference: [N] the device each expert has in the deployed plan (0..E-1).
         stay_bonus: what one expert kept with its group is worth: c * A.
     """
+    rows = deployed_rows(reference, problem.ep_size, stay_bonus)
+    return problem.with_load_free_rows(rows, np.zeros(problem.ep_size))
+
+
+def deployed_rows(reference: np.ndarray, ep_size: int, stay_bonus: float) -> sparse.csr_matrix:
+    """[E, N] the deployed groups as rows: row d holds ``stay_bonus`` on each expert that
+    ``reference`` [N] puts on device d. A placement x gains ``sum_d max_b (rows @ onehot(x))
+    [d, b]``, ``stay_bonus`` for each expert kept with its group (module doc)."""
     ref = np.asarray(reference, dtype=np.int64)
-    e, n = problem.ep_size, problem.num_experts
-    rows = sparse.csr_matrix(
-        (np.full(n, float(stay_bonus)), (ref, np.arange(n))), shape=(e, n), dtype=np.float64
+    n = ref.size
+    return sparse.csr_matrix(
+        (np.full(n, float(stay_bonus)), (ref, np.arange(n))), shape=(ep_size, n), dtype=np.float64
     )
-    return problem.with_load_free_rows(rows, np.zeros(e))
+
+
+def experts_kept(reference: np.ndarray, expert_to_device: np.ndarray) -> int:
+    """Experts of ``expert_to_device`` [N] kept with their ``reference`` [N] group: for each
+    deployed group, those on the device that holds most of it (labels do not matter)."""
+    ref, x = np.asarray(reference, np.int64), np.asarray(expert_to_device, np.int64)
+    e = int(max(ref.max(), x.max())) + 1
+    counts = np.bincount(ref * e + x, minlength=e * e).reshape(e, e)
+    return int(counts.max(axis=1).sum())
 
 
 def without_deployed(

@@ -16,6 +16,7 @@ from planner.solve.ngram_term import NgramTerm
 from planner.solve.pipeline import PlanConfig, layer_problems, make_plan
 from planner.solve.plan import solve_model
 from planner.solve.problem import SolverConfig
+from planner.solve.settle import deployed_rows, experts_kept
 from planner.trace.synth import SynthConfig, synthesize
 
 # Routing that follows the previous layer's experts, which an n-gram table can learn.
@@ -99,6 +100,63 @@ def test_polish_raises_the_chain_objective_and_keeps_placements_valid(contiguous
     assert regain < 0.5 * gain
 
 
+@pytest.mark.parametrize("layer", [0, 3])
+def test_swap_deltas_count_the_deployed_groups_exactly(solved, layer):
+    problems, term, placements = solved
+    run = term.runs(len(problems))[0]
+    x = np.stack([p.expert_to_device for p in placements]).astype(np.int64)
+    reference = np.arange(8) % 4  # round-robin: unlike the solved placements
+    rows = deployed_rows(reference, 4, 7.0)
+    parts = LayerTerms(problems, term, x, layer, run, batch_aware=False, deployed=rows)
+    plain = LayerTerms(problems, term, x, layer, run, batch_aware=False)
+    assert parts.ngram_rows == plain.ngram_rows  # the n-gram rows first, the groups after
+    # the groups' rows are worth 7 for each expert kept with its group
+    kept = experts_kept(reference, x[layer])
+    assert parts.context_value(x[layer]) - plain.context_value(x[layer]) == pytest.approx(7 * kept)
+    assert parts.ngram_value(x[layer]) == pytest.approx(plain.context_value(x[layer]))
+    t = placements[layer].token_to_device
+    a, b, delta = parts.swap_deltas(x[layer], t)
+    base = parts.total(x[layer], t)
+    for i in range(a.size):
+        y = x[layer].copy()
+        y[a[i]], y[b[i]] = y[b[i]], y[a[i]]
+        assert parts.total(y, t) - base == pytest.approx(delta[i], abs=1e-9)
+
+
+def test_polish_with_a_move_cost_pays_for_the_moves(contiguous):
+    problems, term, placements, run = contiguous
+    x = np.stack([p.expert_to_device for p in placements]).astype(np.int64)
+    free = chain_polish(problems, placements, term, run, batch_aware=False)
+    moved_free = sum(8 - experts_kept(x[i], p.expert_to_device) for i, p in free.items())
+    assert moved_free > 0  # otherwise the test shows nothing
+    # the deployed plan is the one polished: at cost 1 (a layer's whole LAR a move) nothing
+    # moves; at a small cost fewer experts move than for free, and each kept count is reported
+    held = chain_polish(problems, placements, term, run, batch_aware=False, reference=x,
+                        move_cost=1.0)  # fmt: skip
+    assert held == {}
+    some = chain_polish(problems, placements, term, run, batch_aware=False, reference=x,
+                        move_cost=0.002)  # fmt: skip
+    moved = 0
+    for layer, placement in some.items():
+        kept = experts_kept(x[layer], placement.expert_to_device)
+        assert placement.info["deployed_rows"] == {"experts_kept": kept}
+        moved += 8 - kept
+    assert moved <= moved_free
+
+
+def test_plan_with_a_move_cost_and_the_chain_polish(predictor):
+    ref = np.tile(np.arange(8) % 4, (SYNTH.num_layers, 1))
+    moved = []
+    for cost in (0.0, 1.0):
+        config = PlanConfig("kmeans", ep_size=4, chain_passes=2, move_cost=cost)
+        plan = make_plan(predictor, config, progress=False, reference=ref)
+        moved.append(
+            sum(8 - experts_kept(r, x) for r, x in zip(ref, plan.expert_to_device, strict=True))
+        )
+    assert moved[0] > 0
+    assert moved[1] == 0
+
+
 def test_polish_under_an_expert_cap_never_raises_a_layers_peak_above_it(contiguous):
     problems, term, placements, run = contiguous
     free = chain_polish(problems, placements, term, run, batch_aware=False)
@@ -165,9 +223,9 @@ def test_runs_are_polished_in_worker_processes_with_the_same_result(predictor, m
 def test_plan_runs_the_polish_when_asked_and_records_it(predictor, monkeypatch):
     calls = []
 
-    def spy(problems, placements, term, run, *, passes, expert_beta):
+    def spy(problems, placements, term, run, *, passes, **kwargs):
         calls.append((tuple(run), passes))
-        return chain_polish(problems, placements, term, run, passes=passes, expert_beta=expert_beta)
+        return chain_polish(problems, placements, term, run, passes=passes, **kwargs)
 
     monkeypatch.setattr(plan_module, "chain_polish", spy)
     plain = make_plan(predictor, PlanConfig(method="kmeans", ep_size=4), progress=False)

@@ -119,8 +119,6 @@ def test_move_cost_is_refused_where_it_cannot_apply(predictor):
                   reference=ref + 7)  # fmt: skip
     with pytest.raises(InputError, match="vanilla"):
         PlanConfig("vanilla", ep_size=4, move_cost=0.01)
-    with pytest.raises(InputError, match="chain_passes"):
-        PlanConfig(ep_size=4, move_cost=0.01, chain_passes=1)
     for bad in (-0.1, 2.0, float("nan")):
         with pytest.raises(InputError, match="move_cost"):
             PlanConfig(ep_size=4, move_cost=bad)
