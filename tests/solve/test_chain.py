@@ -60,6 +60,17 @@ def chain_objective(problems, term, placements, run) -> float:
     return total
 
 
+def swap_deltas_checked(parts: LayerTerms, x: np.ndarray, t: np.ndarray) -> int:
+    """Asserts that every swap's delta is the change of the layer's chain terms; -> swaps."""
+    a, b, delta = parts.swap_deltas(x, t)
+    base = parts.total(x, t)
+    for i in range(a.size):
+        y = x.copy()
+        y[a[i]], y[b[i]] = y[b[i]], y[a[i]]
+        assert parts.total(y, t) - base == pytest.approx(delta[i], abs=1e-9)
+    return a.size
+
+
 @pytest.mark.parametrize("layer", [0, 2, 4])
 def test_swap_deltas_are_exact(solved, layer):
     problems, term, placements = solved
@@ -69,14 +80,8 @@ def test_swap_deltas_are_exact(solved, layer):
     # layer 0 has no context of its own and feeds layer 2; layer 4 the reverse
     assert (parts.rows is None) == (layer < 2)
     assert len(parts.forward) == {0: 1, 2: 2, 4: 0}[layer]
-    t = placements[layer].token_to_device
-    a, b, delta = parts.swap_deltas(x[layer], t)
-    assert a.size == 8 * 6 // 2  # pairs of experts on different devices (2 per device)
-    base = parts.total(x[layer], t)
-    for i in range(a.size):
-        y = x[layer].copy()
-        y[a[i]], y[b[i]] = y[b[i]], y[a[i]]
-        assert parts.total(y, t) - base == pytest.approx(delta[i], abs=1e-9)
+    # pairs of experts on different devices (2 per device)
+    assert swap_deltas_checked(parts, x[layer], placements[layer].token_to_device) == 8 * 6 // 2
 
 
 def test_polish_raises_the_chain_objective_and_keeps_placements_valid(contiguous):
@@ -114,13 +119,7 @@ def test_swap_deltas_count_the_deployed_groups_exactly(solved, layer):
     kept = experts_kept(reference, x[layer])
     assert parts.context_value(x[layer]) - plain.context_value(x[layer]) == pytest.approx(7 * kept)
     assert parts.ngram_value(x[layer]) == pytest.approx(plain.context_value(x[layer]))
-    t = placements[layer].token_to_device
-    a, b, delta = parts.swap_deltas(x[layer], t)
-    base = parts.total(x[layer], t)
-    for i in range(a.size):
-        y = x[layer].copy()
-        y[a[i]], y[b[i]] = y[b[i]], y[a[i]]
-        assert parts.total(y, t) - base == pytest.approx(delta[i], abs=1e-9)
+    swap_deltas_checked(parts, x[layer], placements[layer].token_to_device)
 
 
 def test_polish_with_a_move_cost_pays_for_the_moves(contiguous):
