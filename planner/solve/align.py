@@ -57,11 +57,17 @@ def device_maps(expert_to_device: np.ndarray, reference: np.ndarray, ep_size: in
     ref = np.asarray(reference, np.int64)
     sigma = np.empty((x.shape[0], ep_size), np.int64)
     for layer in range(x.shape[0]):
-        overlap = np.zeros((ep_size, ep_size), np.int64)
-        np.add.at(overlap, (x[layer], ref[layer]), 1)
-        rows, cols = linear_sum_assignment(overlap, maximize=True)
+        rows, cols = linear_sum_assignment(overlap(x[layer], ref[layer], ep_size), maximize=True)
         sigma[layer, rows] = cols
     return sigma
+
+
+def overlap(expert_to_device: np.ndarray, reference: np.ndarray, ep_size: int) -> np.ndarray:
+    """[E, E] int64: how many experts of one layer are on device a in ``expert_to_device``
+    [N] and on device b in ``reference`` [N]."""
+    counts = np.zeros((ep_size, ep_size), np.int64)
+    np.add.at(counts, (np.asarray(expert_to_device, np.int64), np.asarray(reference, np.int64)), 1)
+    return counts
 
 
 def relabel(table: np.ndarray, sigma: np.ndarray) -> np.ndarray:

@@ -223,10 +223,10 @@ class LayerTerms:
         self.ngram_rows = 0 if context is None else context.shape[0]
         self.rows_total = 0.0 if context is None else float(context.sum())
         # the deployed groups are load-free rows too: each goes to its best device
-        blocks = [
-            b for b in (context, None if deployed is None else deployed.toarray()) if b is not None
-        ]
-        self.rows: np.ndarray | None = np.vstack(blocks) if blocks else None
+        self.rows: np.ndarray | None = context
+        if deployed is not None:
+            groups = deployed.toarray()
+            self.rows = groups if context is None else np.vstack([context, groups])
         # later layers m = l + i whose contexts hold layer l at position i
         self.forward: list[np.ndarray] = []
         last = run[-1]

@@ -37,7 +37,7 @@ from scipy import sparse
 
 from planner._checks import is_real
 from planner.errors import InputError, MismatchError
-from planner.solve.align import check_reference
+from planner.solve.align import check_reference, overlap
 from planner.solve.common import finish
 from planner.solve.problem import LayerPlacement, LayerProblem
 
@@ -95,10 +95,8 @@ def deployed_rows(reference: np.ndarray, ep_size: int, stay_bonus: float) -> spa
 def experts_kept(reference: np.ndarray, expert_to_device: np.ndarray) -> int:
     """Experts of ``expert_to_device`` [N] kept with their ``reference`` [N] group: for each
     deployed group, those on the device that holds most of it (labels do not matter)."""
-    ref, x = np.asarray(reference, np.int64), np.asarray(expert_to_device, np.int64)
-    e = int(max(ref.max(), x.max())) + 1
-    counts = np.bincount(ref * e + x, minlength=e * e).reshape(e, e)
-    return int(counts.max(axis=1).sum())
+    e = int(max(np.max(reference), np.max(expert_to_device))) + 1
+    return int(overlap(expert_to_device, reference, e).max(axis=0).sum())
 
 
 def without_deployed(
