@@ -192,6 +192,8 @@ def check_output(
     artifact's path that is a symbolic link, are refused too: the write would fail once the
     work is done.
     """
+    if not os.fspath(path):  # Path("") is ".", the folder the command runs in
+        raise InputError(f"the output path is empty; give the path of the {what}")
     path = Path(path)
     check_place(path, inputs)
     if path.exists() and not path.stat().st_mode & 0o222:
@@ -220,13 +222,13 @@ def check_output(
             )
         check_writable(path)  # last: it makes (and removes) a file beside the output
         return path
+    if path.exists() and not path.is_dir():  # also a link to a file
+        raise InputError(f"{path}: exists and is a file; a {what} is a directory")
     if path.is_symlink():  # the atomic write would have to replace the link by a directory
         raise InputError(
             f"{path}: is a symbolic link; give the {what} directory itself "
             f"({path.resolve()}) or another output path"
         )
-    if path.exists() and not path.is_dir():
-        raise InputError(f"{path}: exists and is a file; a {what} is a directory")
     cwd = Path.cwd().resolve()
     if (here := path.resolve()) == cwd or here in cwd.parents:
         # `--out .`: the swap cannot rename the folder the command runs in (it left a

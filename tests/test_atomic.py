@@ -57,6 +57,16 @@ def test_outputs_that_could_not_be_written_are_refused_before_the_work(tmp_path,
     (tmp_path / "link").symlink_to(tmp_path / "target")
     with pytest.raises(InputError, match="is a symbolic link; give the plan directory itself"):
         check_output(tmp_path / "link", marker="plan.json", what="plan")
+    # a link to a file was told to give "the plan directory itself" (the file)
+    (tmp_path / "filelink").symlink_to(afile)
+    with pytest.raises(InputError, match="filelink: exists and is a file; a plan is a directory"):
+        check_output(tmp_path / "filelink", marker="plan.json", what="plan")
+    # "" is the current directory: it said "the command reads its input ... there"
+    for marker in (None, "plan.json"):
+        with pytest.raises(
+            InputError, match="^the output path is empty; give the path of the plan$"
+        ):
+            check_output("", marker=marker, what="plan")
     # every command that writes goes through it: e.g. fit and trace synth, in one line
     for args in (
         ["fit", str(require(FLAME_TRACE)), "--out", str(afile / "pred")],

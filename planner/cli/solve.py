@@ -17,7 +17,7 @@ from planner.evaluate.plots import check_plot_path, plot_comparison
 from planner.export import load_tables
 from planner.predict.predictor import load_predictor
 from planner.solve.align import align_plan
-from planner.solve.ilp import check_lp_path
+from planner.solve.ilp import layer_lp_path
 from planner.solve.ngram_term import DEFAULT_WEIGHT
 from planner.solve.pipeline import PlanConfig, make_plan
 from planner.solve.plan import check_plan_output
@@ -47,29 +47,29 @@ def _options(text: str | None) -> dict:
     return opts
 
 
-def _check_lp_path(opts: dict, inputs: tuple, outputs: tuple = ()) -> None:
-    """The ILP's ``lp_path`` may not replace one of the command's inputs (a file of the
-    predictor directory) nor lie in or on one of its outputs (the plan directory, which
-    the plan then replaces): checked before the work."""
+def _check_lp_path(opts: dict, layers: int, inputs: tuple, outputs: tuple = ()) -> None:
+    """The ILP's LP files (one a layer, :func:`planner.solve.ilp.layer_lp_path`) may not
+    replace one of the command's inputs (a file of the predictor directory) nor lie in or on
+    one of its outputs (the plan directory, which the plan then replaces), and each must be
+    writable: checked before the work, not when the layer's program is written."""
     ilp = opts.get("ilp")
     lp_path = ilp.get("lp_path") if isinstance(ilp, dict) else None
     if not isinstance(lp_path, str):
         return
-    if not lp_path:  # it would write nothing, without a word
-        check_lp_path(lp_path)
-    here = Path(lp_path).resolve()
-    for out in filter(None, outputs):
-        if here == Path(out).resolve() or Path(out).resolve() in here.parents:
-            raise InputError(
-                f"ilp lp_path {lp_path}: the command writes {out} there; choose another path"
-            )
-    check_output(
-        lp_path,
-        marker=None,
-        what="LP file (ilp lp_path)",
-        inputs=tuple(filter(None, inputs)),
-    )
-    check_lp_path(lp_path)
+    for layer in range(layers):
+        path = layer_lp_path(lp_path, layer)
+        here = path.resolve()
+        for out in filter(None, outputs):
+            if here == Path(out).resolve() or Path(out).resolve() in here.parents:
+                raise InputError(
+                    f"ilp lp_path {lp_path}: the command writes {out} there; choose another path"
+                )
+        check_output(
+            path,
+            marker=None,
+            what="LP file (ilp lp_path)",
+            inputs=tuple(filter(None, inputs)),
+        )
 
 
 @app.command("solve")
@@ -182,7 +182,6 @@ def solve(
                 "--chain-passes does not apply to --method vanilla (the contiguous layout)"
             )
         chain_passes = 0  # a --config file's, for the methods it applies to
-    _check_lp_path(opts, inputs, (out,))
     check_move_cost(move_cost, "--move-cost")
     if move_cost and (deployed is None or method == "vanilla"):
         if typed(ctx, "move_cost"):
@@ -193,6 +192,7 @@ def solve(
             )
         move_cost = 0.0  # a --config file's, for the re-plans it applies to
     pred = load_predictor(predictor)
+    _check_lp_path(opts, pred.meta.num_layers, inputs, (out,))
     if deployed is not None:  # checked before the work
         if deployed.ep_size != ep:
             raise InputError(f"--align-to {align_to} is a plan of EP {deployed.ep_size}, not {ep}")
@@ -325,8 +325,8 @@ def compare(
             f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(SOLVERS)}"
         )
     opts = _options(options)
-    _check_lp_path(opts, (predictor, heldout, fitting), (plot,))
     pred = load_predictor(predictor)
+    _check_lp_path(opts, pred.meta.num_layers, (predictor, heldout, fitting), (plot,))
     trace = open_trace(heldout)
     fitting_trace = None if fitting is None else open_trace(fitting)
     config = PlanConfig(

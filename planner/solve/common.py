@@ -367,10 +367,14 @@ def finish(
     return placement
 
 
-# Option kinds (check_options): "flag" bool; "text" str; "count" int >= 0; "count+" int >= 1;
+# Option kinds (check_options): "flag" bool; "text" str; "count" int in [0, MAX_COUNT];
+# "count+" int in [1, MAX_COUNT];
 # "number" finite real >= 0; "numbers" one such number or a non-empty list of them. A
 # trailing "?" also allows null. Options not named in ``kinds`` take their default's kind.
 _KIND_OF_DEFAULT = {bool: "flag", str: "text", int: "count", float: "number", tuple: "numbers"}
+# Largest count an option takes: a 32-bit int. A count is rounds, restarts or rows, and 1e11
+# k-means restarts would run for days (1e308 for ever); --time-limit stops the solvers sooner.
+MAX_COUNT = 2**31 - 1
 
 
 def _is_number(value: Any) -> bool:
@@ -393,8 +397,8 @@ def _option_problem(value: Any, kind: str) -> str | None:
         ok, want = isinstance(value, str), "a string"
     elif kind in ("count", "count+"):
         least = 1 if kind == "count+" else 0
-        ok = _is_number(value) and value == int(value) and value >= least
-        want = f"an integer >= {least}"
+        ok = _is_number(value) and value == int(value) and least <= value <= MAX_COUNT
+        want = f"an integer in [{least}, 2**31 - 1]"
     elif kind == "number":
         ok, want = _is_number(value), "a number >= 0"
     elif kind == "number+":
@@ -423,9 +427,8 @@ def check_options(
 
     unknown = sorted(set(given) - set(defaults))
     if unknown:
-        raise InputError(
-            f"{method}: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(defaults))}"
-        )
+        known = f"known: {', '.join(sorted(defaults))}" if defaults else f"{method} takes none"
+        raise InputError(f"{method}: unknown option(s) {', '.join(unknown)}; {known}")
     kinds = kinds or {}
     for key, value in given.items():
         kind = kinds.get(key) or _KIND_OF_DEFAULT.get(type(defaults[key]))

@@ -134,6 +134,13 @@ def check_lp_path(lp_path: str) -> Path:
     return path
 
 
+def layer_lp_path(lp_path: str | Path, layer: int | None) -> Path:
+    """Where layer ``layer``'s program is written for ``lp_path`` (``NAME.layerL.lp``; the
+    path itself for a problem of no layer)."""
+    path = check_lp_path(str(lp_path))
+    return path if layer is None else path.with_name(f"{path.stem}.layer{layer}{path.suffix}")
+
+
 def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
     started = time.perf_counter()
     opts = check_options("ilp", config.for_method("ilp"), DEFAULTS, KINDS)
@@ -163,9 +170,7 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
         sub, symmetry_breaking=symmetry, heavy_fill=heavy, start=start
     )
     if opts["lp_path"] is not None:
-        lp_path = check_lp_path(str(opts["lp_path"]))
-        if problem.layer is not None:
-            lp_path = lp_path.with_name(f"{lp_path.stem}.layer{problem.layer}{lp_path.suffix}")
+        lp_path = layer_lp_path(opts["lp_path"], problem.layer)
         with atomic_path(lp_path) as tmp:
             prog.writeLP(str(tmp))
     solve_started = time.perf_counter()

@@ -319,9 +319,7 @@ class Plan:
             raise SchemaError(
                 f"plan: some layer does not hold exactly N/E = {n // e} experts per device"
             )
-        if not np.issubdtype(c.dtype, np.number) or (
-            c.size and (not np.isfinite(c).all() or c.min() < 0 or c.max() > 1)
-        ):
+        if not _shares(c):
             raise SchemaError("plan: token_confidence outside [0, 1]")
         object.__setattr__(self, "expert_to_device", x.astype(np.int16))
         object.__setattr__(self, "token_to_device", t.astype(np.int16))
@@ -335,10 +333,7 @@ class Plan:
             _expect(np.asarray(self.ngram_to_device), "ngram_to_device", shape)
             _expect(np.asarray(self.ngram_confidence), "ngram_confidence", shape)
             _check_devices(np.asarray(self.ngram_to_device), "ngram_to_device", e)
-            nc = np.asarray(self.ngram_confidence)
-            if not np.issubdtype(nc.dtype, np.number) or (
-                nc.size and (not np.isfinite(nc).all() or nc.min() < 0 or nc.max() > 1)
-            ):
+            if not _shares(np.asarray(self.ngram_confidence)):
                 raise SchemaError("plan: ngram_confidence outside [0, 1]")
             object.__setattr__(
                 self, "ngram_to_device", np.asarray(self.ngram_to_device).astype(np.int16)
@@ -460,6 +455,15 @@ def _check_devices(arr: np.ndarray, name: str, e: int) -> None:
         raise SchemaError(f"plan: {name} has dtype {arr.dtype}, expected integers")
     if arr.size and (arr.min() < 0 or arr.max() >= e):
         raise SchemaError(f"plan: {name} holds devices outside [0, {e})")
+
+
+def _shares(arr: np.ndarray) -> bool:
+    """Whether ``arr`` holds real numbers in [0, 1] (not complex: a hand-edited table's
+    complex confidences were cast to float16 with a warning, their imaginary parts dropped)."""
+    real = np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)
+    return bool(
+        real and (not arr.size or (np.isfinite(arr).all() and arr.min() >= 0 and arr.max() <= 1))
+    )
 
 
 def _expect(arr: np.ndarray, name: str, shape: tuple[int, ...]) -> None:

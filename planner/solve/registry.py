@@ -45,7 +45,7 @@ OPTION_KINDS: dict[str, dict[str, str]] = {
     "ilp": ilp.KINDS,
     "metis": metis.KINDS,
     "kmeans": kmeans.KINDS,
-    "alternating": {},
+    "alternating": alternating.KINDS,
     "vanilla": {},
 }
 

@@ -181,8 +181,8 @@ def test_ilp_lp_path_never_replaces_an_input_or_lands_in_the_plan(predictor_dir,
     plan = tmp_path / "plan"
     base = ["solve", str(pred), "--ep", "2", "--method", "ilp", "--time-limit", "2"]
     for lp_path, message in (
-        (pred / "predictor.json", "reads its input"),
-        (pred, "reads its input"),
+        (pred / "predictor.json", "must end in .lp"),
+        (pred / "program.lp", "reads its input"),  # program.layer0.lp lands in the input
         (plan / "layer.lp", "writes"),
     ):
         opts = json.dumps({"ilp": {"max_variables": 200, "lp_path": str(lp_path)}})
@@ -193,10 +193,32 @@ def test_ilp_lp_path_never_replaces_an_input_or_lands_in_the_plan(predictor_dir,
     assert {p.name: p.read_bytes() for p in pred.iterdir()} == before
     assert not plan.exists()
     held = str(predictor_dir / "trace")
-    opts = json.dumps({"ilp": {"lp_path": str(predictor_dir / "trace")}})
+    opts = json.dumps({"ilp": {"lp_path": str(predictor_dir / "trace" / "program.lp")}})
     args = ["compare", str(pred), held, "--ep", "2", "--methods", "vanilla", "--options", opts]
     assert main(args) == 2
     assert "reads its input" in capsys.readouterr().err
+
+
+def test_ilp_lp_files_are_checked_before_any_layer_is_solved(predictor_dir, tmp_path, capsys):
+    """A directory where layer 1's LP file goes (NAME.layer1.lp) was found only once layer
+    0 had been solved and its program written; the path checked was NAME.lp, never written."""
+    base = tmp_path / "lp" / "prog.lp"
+    (tmp_path / "lp" / "prog.layer1.lp").mkdir(parents=True)
+    opts = json.dumps({"ilp": {"max_variables": 200, "lp_path": str(base)}})
+    plan = tmp_path / "plan"
+    args = ["solve", str(predictor_dir / "pred"), "--ep", "2", "--method", "ilp"]
+    assert main([*args, "--out", str(plan), "--options", opts]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moeplan: error:") and "prog.layer1.lp" in err and "\n" not in err
+    assert "is a directory" in err
+    assert sorted(p.name for p in base.parent.iterdir()) == ["prog.layer1.lp"]
+    assert not plan.exists()
+    # the base name itself is never written, so a directory there is no obstacle
+    other = tmp_path / "lp2" / "prog.lp"
+    other.mkdir(parents=True)
+    opts = json.dumps({"ilp": {"max_variables": 200, "lp_path": str(other)}})
+    assert main([*args, "--time-limit", "5", "--out", str(plan), "--options", opts]) == 0
+    assert (other.parent / "prog.layer0.lp").is_file() and plan.exists()
 
 
 def test_ilp_lp_path_must_end_in_lp(predictor_dir, small_problem, tmp_path, capsys):
@@ -245,7 +267,7 @@ def test_ceo_refuses_samples_that_would_not_fit_in_memory(
     [
         ("kmeans", {"n_init": 10**9}),
         ("metis", {"ncuts": 10**9}),
-        ("alternating", {"swap_rounds": 10**12}),
+        ("alternating", {"swap_rounds": 10**9}),  # counts end at 2**31 - 1
     ],
 )
 def test_huge_counts_stop_at_the_time_limit(method: str, options: dict) -> None:
@@ -265,8 +287,8 @@ def test_ilp_refuses_a_variable_budget_that_would_not_fit_in_memory(small_proble
     variable, tens of GB for a DeepSeek-V3 layer, outside the time limit."""
     from planner.solve.ilp import MAX_VARIABLES
 
-    options = {"ilp": {"max_variables": 10**12}}
-    with pytest.raises(InputError, match="ilp: max_variables=1000000000000 is more than"):
+    options = {"ilp": {"max_variables": 10**8}}  # (10**12 is past every count's 2**31 - 1)
+    with pytest.raises(InputError, match="ilp: max_variables=100000000 is more than"):
         solve_layer(small_problem, "ilp", SolverConfig(time_limit=5.0, options=options))
     options = {"ilp": {"max_variables": MAX_VARIABLES}}
     solve_layer(small_problem, "ilp", SolverConfig(time_limit=5.0, options=options))

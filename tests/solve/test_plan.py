@@ -136,6 +136,18 @@ def test_plan_refuses_tables_a_runtime_would_misread() -> None:
         )
     with pytest.raises(SchemaError, match="layer report must be a JSON object"):
         _plan(reports=[1, 2])
+    # complex confidences were cast to float16 with a ComplexWarning, the plan accepted
+    c = _plan().token_confidence.astype(np.complex128)
+    with pytest.raises(SchemaError, match="token_confidence outside"):
+        _plan(token_confidence=c + 0.5j)
+    with pytest.raises(SchemaError, match="token_confidence outside"):
+        _plan(token_confidence=c)
+    with pytest.raises(SchemaError, match="ngram_confidence outside"):
+        _plan(
+            ngram_order=1,
+            ngram_to_device=np.zeros((2, 4), int),
+            ngram_confidence=np.zeros((2, 4), np.complex64),
+        )
 
 
 @pytest.mark.parametrize(
