@@ -57,6 +57,17 @@ def print_json(obj: object) -> None:
     sys.stdout.flush()
 
 
+def refuse_empty_paths(**paths: str | None) -> None:
+    """InputError for a path option given as "": ``Path("")`` is ".", the folder the command
+    runs in, so an empty ``--out`` was written into it, or refused for another reason than
+    the real one, and an empty ``--plot`` drew nothing without a word."""
+    from planner.errors import InputError
+
+    for name, value in paths.items():
+        if value == "":
+            raise InputError(f"--{name.replace('_', '-')} is empty; give a path")
+
+
 def typed(ctx: typer.Context, name: str) -> bool:
     """Whether option ``name`` was given on the command line (not by a --config file's table
     or its default). Compared by name: typer may carry its own copy of click's

@@ -9,7 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from planner._io import check_output
-from planner.cli.app import app, console, err_console, print_json, typed
+from planner.cli.app import app, console, err_console, print_json, refuse_empty_paths, typed
 from planner.errors import InputError, SchemaError
 from planner.evaluate import EvalConfig, evaluate_bundle
 from planner.evaluate.compare import against_deployed
@@ -23,7 +23,9 @@ ALL_FORMATS = ("moeplan", *FORMATS)
 
 
 def _parse_formats(text: str) -> list[str]:
-    names = [f.strip() for f in text.split(",") if f.strip()]
+    # each once: "sglang,sglang" counted as two engine formats and wrote a bundle directory
+    # where one sglang file was asked for
+    names = list(dict.fromkeys(f.strip() for f in text.split(",") if f.strip()))
     bad = [n for n in names if n not in ALL_FORMATS]
     if bad or not names:
         raise InputError(
@@ -98,6 +100,7 @@ def export(
                 report["error"] or "bundle failed verification (see the layers above)"
             )
         return
+    refuse_empty_paths(out=out)
     if not out:
         raise InputError("--out is required (or pass --verify to check a bundle)")
     names = _parse_formats(formats)
@@ -233,6 +236,7 @@ def evaluate(
     config = EvalConfig(batch_tokens, slack, hidden_size, dtype_bytes)  # checks the values
     if require_better and against is None:
         raise InputError("--require-better needs --against: the deployed plan to beat")
+    refuse_empty_paths(plot=plot)
     if plot:
         check_plot_path(plot, inputs=tuple(filter(None, (plan, heldout, against))))
     bundle = load_tables(plan)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from planner.cli.app import app, console, print_json, typed
+from planner.cli.app import app, console, print_json, refuse_empty_paths, typed
 from planner.errors import InputError
 
 
@@ -34,7 +34,9 @@ def fit(
         "unseen tokens. Default: the trace directory's embeddings.safetensors if present.",
     ),
     no_embeddings: bool = typer.Option(
-        False, "--no-embeddings", help="Do not use embeddings found next to the trace."
+        False,
+        "--no-embeddings",
+        help="Do not use embeddings found next to the trace (an --embeddings file is still used).",
     ),
     neural: bool = typer.Option(False, "--neural", help="Also train the small neural predictor."),
     neural_steps: int = typer.Option(
@@ -96,6 +98,7 @@ def fit(
     from planner.predict.predictor import check_destination
     from planner.predict.report import render_fit_summary, render_report
 
+    refuse_empty_paths(out=out, embeddings=embeddings)
     if not Path(trace).exists():
         raise InputError(f"{trace}: no such trace or counts file")
     check_destination(out, inputs=(trace, *([embeddings] if embeddings else [])))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from planner.cli.app import app, console
+from planner.cli.app import app, console, refuse_empty_paths
 
 
 @app.command("profile")
@@ -34,6 +34,7 @@ def profile(
     # Imported here: torch and transformers load only when this command runs.
     from planner.profile import ProfileConfig, profile_model, render_profile_summary
 
+    refuse_empty_paths(model=model, prompts=prompts, out=out)
     config = ProfileConfig(
         max_prompts=max_prompts,
         max_length=max_length,

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from planner._io import check_output
-from planner.cli.app import app, console, err_console, print_json, typed
+from planner.cli.app import app, console, err_console, print_json, refuse_empty_paths, typed
 from planner.errors import InputError, MismatchError
 from planner.evaluate import EvalConfig
 from planner.evaluate.compare import compare_methods
@@ -156,6 +156,7 @@ def solve(
     as_json: bool = typer.Option(False, "--json", help="Print the per-layer reports as JSON."),
 ) -> None:
     """Place every layer's experts on E devices and give every token a device."""
+    refuse_empty_paths(out=out)
     # the deployed plan is read first: a path that is none is named as such
     deployed = None if align_to is None else load_tables(align_to)
     inputs = tuple(filter(None, (predictor, align_to)))
@@ -314,6 +315,7 @@ def compare(
     ),
 ) -> None:
     """Solve with each method and compare held-out LAR, balance and time, with the oracle bound."""
+    refuse_empty_paths(plot=plot)
     if plot:
         check_plot_path(plot, inputs=tuple(filter(None, (predictor, heldout, fitting))))
     names = list(dict.fromkeys(m.strip() for m in methods.split(",") if m.strip()))  # once each

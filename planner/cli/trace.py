@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import typer
 
-from planner.cli.app import console, err_console, print_json, trace_app, typed
+from planner.cli.app import (
+    console,
+    err_console,
+    print_json,
+    refuse_empty_paths,
+    trace_app,
+    typed,
+)
 from planner.evaluate.plots import check_plot_path, plot_expert_load
 from planner.trace.info import trace_summary
 
@@ -18,6 +25,7 @@ def info(
     ),
 ) -> None:
     """Model, layers, experts, top-k, tokens, requests and per-layer load skewness of a trace."""
+    refuse_empty_paths(plot=plot)
     if plot:
         check_plot_path(plot, inputs=(path,))
     summary = trace_summary(path)
@@ -73,6 +81,7 @@ def synth(
     """Write a synthetic trace with known token->expert and layer->layer affinity."""
     from planner.trace.synth import preset_config, timed_synthesize
 
+    refuse_empty_paths(out=out)
     config = preset_config(
         preset,
         num_layers=layers,
@@ -134,6 +143,7 @@ def ingest_sglang(
     """Convert SGLang expert-distribution per_token dumps (physical ids -> logical experts)."""
     from planner.trace.ingest_sglang import ingest_sglang as run_ingest
 
+    refuse_empty_paths(out=out)
     stats = run_ingest(
         dumps, out, model=model, vocab_size=vocab_size, skip_decode=skip_decode, overwrite=force
     )
@@ -189,6 +199,7 @@ def split(
     from planner.errors import InputError
     from planner.predict.split import split_trace, split_trace_by_domain
 
+    refuse_empty_paths(fit_out=fit_out, heldout_out=heldout_out)
     if (
         heldout_domain is not None
         and not typed(ctx, "heldout_domain")

@@ -613,6 +613,11 @@ def _prepare_out_dir(
     if not any(out.iterdir()):
         return set(), {}
     if not resume:
+        if not (out / SETTINGS_FILE).is_file():  # --resume would refuse it: no run to continue
+            raise InputError(
+                f"output directory {str(out)!r} is not empty and holds no profile run; choose "
+                f"another --out directory"
+            )
         raise InputError(
             f"output directory {str(out)!r} is not empty; pass --resume to continue that run "
             f"or choose another --out directory"

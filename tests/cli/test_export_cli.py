@@ -67,6 +67,11 @@ def test_export_all_formats_and_verify(tmp_path, plan_and_trace, capsys):
     assert main(["export", str(plan), "--out", str(single), "--format", "sglang"]) == 0
     p2l = json.loads(single.read_text())["physical_to_logical_map"]
     assert len(p2l) == 4 and sorted(p2l[1]) == list(range(8))  # model layers 0..3, MoE 1..3
+    # a format named twice is named once: "sglang,sglang" counted two engine formats and
+    # wrote a bundle directory named twice.json
+    twice = tmp_path / "twice.json"
+    assert main(["export", str(plan), "--out", str(twice), "--format", "sglang, sglang"]) == 0
+    assert twice.is_file() and json.loads(twice.read_text()) == json.loads(single.read_text())
 
 
 def test_verify_refuses_a_corrupt_bundle(tmp_path, plan_and_trace, capsys):
@@ -99,6 +104,9 @@ def test_evaluate_prints_metrics(plan_and_trace, capsys):
         (["evaluate", "PLAN", "TRACE", "--slack", "nan"], "slack=nan must be a number >= 1"),
         (["evaluate", "PLAN", "TRACE", "--batch-tokens", "0"], "batch_tokens=0 must be an integer"),
         (["evaluate", "PLAN", "TRACE", "--plot", "X"], "the file name must end in .png"),
+        # "" is ".": --plot "" drew nothing without a word, --out "" said "is required"
+        (["evaluate", "PLAN", "TRACE", "--plot", ""], "--plot is empty; give a path"),
+        (["export", "PLAN", "--out", ""], "--out is empty; give a path"),
     ],
 )
 def test_user_errors(plan_and_trace, tmp_path, capsys, args, message):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from planner.cli.main import main
 from tests.conftest import child_env
 
@@ -236,3 +238,33 @@ def test_solve_refuses_options_it_would_not_use(tmp_path, capsys):
     assert "--options sets 'ceo' but solve runs --method metis" in capsys.readouterr().err
     assert main([*base, "--method", "vanilla", "--chain-passes", "2"]) == 2
     assert "--chain-passes does not apply to --method vanilla" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (["profile", "--model", "M", "--prompts", "P", "--out", ""], "--out"),
+        (["profile", "--model", "", "--prompts", "P", "--out", "o"], "--model"),
+        (["trace", "synth", "--out", ""], "--out"),
+        (["trace", "synth", "--out", "", "--force"], "--out"),
+        (["trace", "ingest", "sglang", "D", "--out", ""], "--out"),
+        (["trace", "split", "T", "--fit-out", "", "--heldout-out", "h"], "--fit-out"),
+        (["trace", "split", "T", "--fit-out", "f", "--heldout-out", ""], "--heldout-out"),
+        (["trace", "info", "T", "--plot", ""], "--plot"),
+        (["fit", "T", "--out", ""], "--out"),
+        (["fit", "T", "--out", "p", "--embeddings", ""], "--embeddings"),
+        (["solve", "P", "--ep", "2", "--out", ""], "--out"),
+        (["compare", "P", "H", "--ep", "2", "--plot", ""], "--plot"),
+    ],
+)
+def test_an_empty_path_is_named_not_taken_for_the_current_directory(
+    args, flag, tmp_path, monkeypatch, capsys
+):
+    """Path("") is ".": `profile --out ''` wrote its parts into the folder it ran in, `trace
+    synth --out ''` said ".: already exists", `split` that the two sides were nested, and
+    `trace info --plot ''` drew nothing without a word."""
+    monkeypatch.chdir(tmp_path)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err == f"moeplan: error: {flag} is empty; give a path\n"
+    assert not any(tmp_path.iterdir())

@@ -323,6 +323,11 @@ def test_non_empty_out_dir_needs_resume(model_dirs, prompts_file, tmp_path):
     out = tmp_path / "t"
     out.mkdir()
     (out / "something").write_text("x")
+    # no profile.json: no run --resume could continue, so it is not suggested (it was, and
+    # --resume then said "not a moeplan profile run")
+    with pytest.raises(InputError, match="not empty and holds no profile run; choose another"):
+        profile_model(model_dirs["olmoe"], prompts_file, out, ProfileConfig(), progress=False)
+    (out / "profile.json").write_text("{}")
     with pytest.raises(InputError, match="not empty; pass --resume"):
         profile_model(model_dirs["olmoe"], prompts_file, out, ProfileConfig(), progress=False)
 
