@@ -39,7 +39,7 @@ from torch import nn
 from planner._checks import is_integer
 from planner.errors import InputError, MismatchError, ModelError
 from planner.profile.routers import ADAPTERS, find_routers
-from planner.runtime_shim._data import holds_integers, out_of_range, require_data
+from planner.runtime_shim._data import as_tensor, holds_integers, out_of_range
 
 EXPERTS_ATTR = "experts"  # attribute of every supported MoE block holding the experts
 APPLIED_ATTR = "moeplan_expert_permutation"  # set on the model once a placement is applied
@@ -310,8 +310,7 @@ def apply_expert_placement(
             "tables must be PlanTables (load_bundle) or hold an expert_permutation [L, N]; "
             f"got {type(tables).__name__}"
         )
-    perm_t = torch.as_tensor(source)
-    require_data(perm_t, "tables.expert_permutation")
+    perm_t = as_tensor(source, "tables.expert_permutation")
     if not holds_integers(perm_t):
         raise InputError(f"tables.expert_permutation must hold integers, got {perm_t.dtype}")
     perm_t = perm_t.to(torch.int64).cpu()
@@ -399,16 +398,17 @@ def physical_to_logical(expert_ids: torch.Tensor, expert_permutation: torch.Tens
     Raises:
         InputError: ids that are not integers in [0, N), or a table that is not [L, N].
     """
-    perm = torch.as_tensor(expert_permutation)
-    require_data(perm, "expert_permutation")
+    perm = as_tensor(expert_permutation, "expert_permutation")
     if perm.ndim != 2 or not holds_integers(perm):
         raise InputError(
             f"expert_permutation must be an integer [L, N] tensor, got {tuple(perm.shape)} "
             f"{perm.dtype}"
         )
+    bad = out_of_range(perm, 0, perm.shape[1])  # a table of -3s gave back -3 as an expert id
+    if bad is not None:
+        raise InputError(f"expert_permutation holds expert {bad}, outside [0, {perm.shape[1]})")
     perm = perm.to(torch.int64)
-    ids = torch.as_tensor(expert_ids)
-    require_data(ids, "expert_ids")
+    ids = as_tensor(expert_ids, "expert_ids")
     if not holds_integers(ids):
         raise InputError(f"expert_ids must hold integers, got {ids.dtype}")
     dtype, ids = ids.dtype, ids.to(device=perm.device, dtype=torch.int64)

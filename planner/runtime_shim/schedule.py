@@ -92,8 +92,16 @@ def _layers(tables: Any, layer: LayerSpec) -> list[int]:
     return out
 
 
+# What scheduling reads of the tables (a Bundle has ep_size but not the rest: it was an
+# AttributeError a step later)
+_TABLE_FIELDS = (
+    "ep_size", "num_layers", "num_experts", "vocab_size",
+    "expert_to_device", "token_to_device", "token_confidence",
+)  # fmt: skip
+
+
 def _check_tables(tables: Any) -> None:
-    if not hasattr(tables, "ep_size"):
+    if not all(hasattr(tables, name) for name in _TABLE_FIELDS):
         raise InputError(f"tables must be PlanTables (load_bundle), got {type(tables).__name__}")
 
 

@@ -134,7 +134,8 @@ def online_candidates(
     if bad is None:
         bad = out_of_range(nd, -1, 2**63 - 1)
     if bad is not None:
-        raise InputError(f"device id {bad} is negative (only an n-gram device may be -1: none)")
+        why = "is negative (only an n-gram device may be -1: none)" if bad < 0 else "is past int64"
+        raise InputError(f"device id {bad} {why}")
     _check_confidence(tc, "token_confidence")
     _check_confidence(nc, "ngram_confidence")
     td, nd, tc, nc = td.to(torch.int64), nd.to(torch.int64), _ranked(tc), _ranked(nc)

@@ -116,6 +116,19 @@ def test_physical_to_logical_refuses_ids_that_are_not_slots():
         physical_to_logical(torch.zeros((1, 2, 2), dtype=torch.long), perm.float())
     with pytest.raises(InputError, match="expert_ids is on the meta device"):
         physical_to_logical(torch.zeros((1, 2, 2), dtype=torch.long, device="meta"), perm)
+    # not numbers: raw torch errors (RuntimeError, TypeError, ValueError)
+    for ids in (None, "abc", [[[0]], [[0, 1]]]):
+        with pytest.raises(InputError, match="expert_ids must be a tensor or array of numbers"):
+            physical_to_logical(ids, perm)
+    with pytest.raises(InputError, match="expert_permutation must be a tensor or array"):
+        physical_to_logical(torch.zeros((1, 2, 2), dtype=torch.long), None)
+    # a table that names no expert gave its values back as expert ids
+    for table, bad in ((torch.full((2, 3), -3), -3), (torch.full((2, 3), 99), 99)):
+        with pytest.raises(InputError, match=rf"expert_permutation holds expert {bad}, outside"):
+            physical_to_logical(torch.zeros((1, 2, 2), dtype=torch.long), table)
+    ragged = SimpleNamespace(expert_permutation=[[0, 1], [2]])
+    with pytest.raises(InputError, match="tables.expert_permutation must be a tensor or array"):
+        apply_expert_placement(nn.Linear(2, 2), ragged)
     empty = physical_to_logical(torch.zeros((0, 2, 2), dtype=torch.int32), perm)
     meta = SimpleNamespace(expert_permutation=torch.zeros((2, 3), dtype=torch.long, device="meta"))
     with pytest.raises(InputError, match="tables.expert_permutation is on the meta device"):

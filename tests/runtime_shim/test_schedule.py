@@ -135,6 +135,12 @@ def test_errors():
         schedule_requests([[0]], "runs/example/bundle", dp_size=2)
     with pytest.raises(InputError, match="tables must be PlanTables .load_bundle., got NoneType"):
         request_device_scores([[1]], None)  # was an AttributeError
+    # a Bundle (load_bundle_arrays) has ep_size, not the rest: an AttributeError a step later
+    from types import SimpleNamespace
+
+    bundle_like = SimpleNamespace(ep_size=2, token_to_device=tables.token_to_device)
+    with pytest.raises(InputError, match="tables must be PlanTables .load_bundle., got Simple"):
+        schedule_requests([[0]], bundle_like, dp_size=2)
     with pytest.raises(InputError, match="layer=5"):
         schedule_requests([[0]], tables, dp_size=2, layer=5)
     with pytest.raises(InputError, match="token id 10 outside"):

@@ -620,6 +620,10 @@ def test_online_choice_checks_its_inputs():
         online_choice(np.array([1.7, 0.2]), ones, np.array([0, 0]), ones)
     with pytest.raises(InputError, match="device id -5 is negative"):
         online_choice(np.array([0, 1]), ones, np.array([1, -5]), ones)
+    # a uint64 id past int64 was called negative
+    huge = torch.tensor([2**63 + 1], dtype=torch.uint64)
+    with pytest.raises(InputError, match=f"device id {2**63 + 1} is past int64"):
+        online_choice(huge, torch.ones(1), torch.tensor([0]), torch.ones(1))
     with pytest.raises(InputError, match="ngram_confidence holds 1 NaN"):
         online_choice(np.array([0, 1]), ones, np.array([1, 0]), np.array([np.nan, 0.5]))
     dev, conf = online_choice(np.array([0, 1]), ones * 0.5, np.array([1, -1]), np.array([0.9, 0.9]))
