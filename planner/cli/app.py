@@ -57,6 +57,12 @@ def print_json(obj: object) -> None:
     sys.stdout.flush()
 
 
+def comma_names(text: str) -> list[str]:
+    """The names of a comma-separated option, each once, in order, blanks dropped
+    ("ceo, metis,,ceo" -> ["ceo", "metis"])."""
+    return list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+
+
 def refuse_empty_paths(**paths: str | None) -> None:
     """InputError for a path option given as "": ``Path("")`` is ".", the folder the command
     runs in, so an empty ``--out`` was written into it, or refused for another reason than

@@ -9,7 +9,15 @@ from rich.table import Table
 from rich.text import Text
 
 from planner._io import check_output
-from planner.cli.app import app, console, err_console, print_json, refuse_empty_paths, typed
+from planner.cli.app import (
+    app,
+    comma_names,
+    console,
+    err_console,
+    print_json,
+    refuse_empty_paths,
+    typed,
+)
 from planner.errors import InputError, SchemaError
 from planner.evaluate import EvalConfig, evaluate_bundle
 from planner.evaluate.compare import against_deployed
@@ -25,7 +33,7 @@ ALL_FORMATS = ("moeplan", *FORMATS)
 def _parse_formats(text: str) -> list[str]:
     # each once: "sglang,sglang" counted as two engine formats and wrote a bundle directory
     # where one sglang file was asked for
-    names = list(dict.fromkeys(f.strip() for f in text.split(",") if f.strip()))
+    names = comma_names(text)
     bad = [n for n in names if n not in ALL_FORMATS]
     if bad or not names:
         raise InputError(

@@ -9,7 +9,15 @@ import typer
 from rich.table import Table
 
 from planner._io import check_output
-from planner.cli.app import app, console, err_console, print_json, refuse_empty_paths, typed
+from planner.cli.app import (
+    app,
+    comma_names,
+    console,
+    err_console,
+    print_json,
+    refuse_empty_paths,
+    typed,
+)
 from planner.errors import InputError, MismatchError
 from planner.evaluate import EvalConfig
 from planner.evaluate.compare import compare_methods
@@ -56,11 +64,12 @@ def _check_lp_path(opts: dict, layers: int, inputs: tuple, outputs: tuple = ()) 
     lp_path = ilp.get("lp_path") if isinstance(ilp, dict) else None
     if not isinstance(lp_path, str):
         return
+    written = [(out, Path(out).resolve()) for out in filter(None, outputs)]
     for layer in range(layers):
         path = layer_lp_path(lp_path, layer)
         here = path.resolve()
-        for out in filter(None, outputs):
-            if here == Path(out).resolve() or Path(out).resolve() in here.parents:
+        for out, there in written:
+            if here == there or there in here.parents:
                 raise InputError(
                     f"ilp lp_path {lp_path}: the command writes {out} there; choose another path"
                 )
@@ -318,7 +327,7 @@ def compare(
     refuse_empty_paths(plot=plot)
     if plot:
         check_plot_path(plot, inputs=tuple(filter(None, (predictor, heldout, fitting))))
-    names = list(dict.fromkeys(m.strip() for m in methods.split(",") if m.strip()))  # once each
+    names = comma_names(methods)
     if not names:
         raise InputError(f"--methods {methods!r} names no method; choose from {', '.join(SOLVERS)}")
     unknown = [m for m in names if m not in SOLVERS]
