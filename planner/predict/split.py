@@ -250,6 +250,12 @@ def _write_sides(trace, fit_out, heldout_out, heldout_mask, overwrite: bool = Fa
     An existing output is replaced only with ``overwrite``: a mistyped --fit-out had
     replaced a recorded trace (its profile.json too, or an unfinished profile run) without
     a word, where ``trace synth`` and ``ingest`` ask for --force."""
+    for out in (fit_out, heldout_out):
+        if Path(out).suffix == ".parquet":  # it made a directory of that name
+            raise InputError(
+                f"{out}: a split writes each side as a directory of parts (with the model's "
+                "embeddings, where the trace has them); give a name without .parquet"
+            )
     fit_at, held_at = Path(fit_out).resolve(), Path(heldout_out).resolve()
     if fit_at == held_at:
         raise InputError(f"--fit-out and --heldout-out are both {fit_out}; give two paths")

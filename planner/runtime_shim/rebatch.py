@@ -128,17 +128,52 @@ class RebatchInfo:
 
     def checked_index(self, name: str, device: torch.device) -> torch.Tensor:
         """``slot_to_token`` or ``token_to_slot`` on ``device``; InputError when an info not
-        made by :func:`plan_rebatch` holds a value outside its range."""
+        made by :func:`plan_rebatch` is not a valid one (see :meth:`check_values`)."""
         index = getattr(self, name).to(device)
-        if self.planned or index.numel() == 0:
-            return index
-        rows = self.num_tokens if name == "slot_to_token" else self.padded_rows
-        least = -1 if name == "slot_to_token" else 0  # -1: a padding slot
-        lo, hi = torch.stack(index.aminmax()).tolist()  # one sync
-        if lo < least or hi >= rows:
-            bad = lo if lo < least else hi
-            raise InputError(f"RebatchInfo.{name} holds {bad}, outside [{least}, {rows})")
+        if not self.planned:
+            self.check_values()
         return index
+
+    def check_values(self) -> None:
+        """InputError unless the maps hold a layout :func:`plan_rebatch` could have made:
+        both in range, ``token_to_slot`` the inverse of ``slot_to_token``, and chunk ``d``
+        holding ``counts[d]`` tokens before its padding. A few host syncs: the gathers run it
+        on hand-made infos only (one whose maps disagreed moved rows silently wrong)."""
+        slots, tokens, counts = self.slot_to_token, self.token_to_slot, self.counts.cpu()
+        for name, index, least, rows in (
+            ("slot_to_token", slots, -1, self.num_tokens),  # -1: a padding slot
+            ("token_to_slot", tokens, 0, self.padded_rows),
+        ):
+            if index.numel():
+                lo, hi = torch.stack(index.aminmax()).tolist()
+                if lo < least or hi >= rows:
+                    bad = lo if lo < least else hi
+                    raise InputError(f"RebatchInfo.{name} holds {bad}, outside [{least}, {rows})")
+        if (counts < 0).any() or int(counts.sum()) != self.num_tokens:
+            raise InputError(
+                f"RebatchInfo.counts {counts.tolist()} must be >= 0 and sum to the "
+                f"{self.num_tokens} tokens"
+            )
+        if (counts > self.chunk_rows).any():
+            raise InputError(
+                f"RebatchInfo.counts {counts.tolist()} exceed chunk_rows={self.chunk_rows}"
+            )
+        tokens_first = (
+            (torch.arange(self.chunk_rows).unsqueeze(0) < counts.unsqueeze(1))
+            .flatten()
+            .to(slots.device)
+        )
+        if not torch.equal(slots >= 0, tokens_first):
+            raise InputError(
+                "RebatchInfo.slot_to_token must hold chunk d's counts[d] tokens first, "
+                "then padding (-1)"
+            )
+        inverse = slots.index_select(0, tokens.to(slots.device))
+        if not torch.equal(inverse, torch.arange(self.num_tokens, device=slots.device)):
+            raise InputError(
+                "RebatchInfo.token_to_slot is not the inverse of slot_to_token "
+                "(slot_to_token[token_to_slot[t]] != t for some token t)"
+            )
 
 
 def plan_rebatch(devices: torch.Tensor, ep_size: int, chunk_rows: int | None = None) -> RebatchInfo:

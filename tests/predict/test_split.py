@@ -95,6 +95,19 @@ def test_split_by_domain_refuses_bad_requests_and_writes_nothing(tmp_path, exact
         assert not (tmp_path / "fit").exists() and not (tmp_path / "held").exists()
 
 
+def test_split_refuses_a_parquet_file_name_for_a_side(tmp_path, exact_trace):
+    """Each side is a directory of parts (it may carry the embeddings): --fit-out a.parquet
+    made a directory named a.parquet, which reads as a file name."""
+    from planner.predict.split import split_trace, split_trace_by_domain
+
+    path, _ = exact_trace
+    with pytest.raises(InputError, match=r"a\.parquet: a split writes each side as a directory"):
+        split_trace(path, tmp_path / "a.parquet", tmp_path / "held", 0.5, 0)
+    with pytest.raises(InputError, match=r"b\.parquet: a split writes"):
+        split_trace_by_domain(path, tmp_path / "fit", tmp_path / "b.parquet", ["1"])
+    assert not list(tmp_path.iterdir())
+
+
 def test_split_by_domain_refuses_a_request_of_two_domains(tmp_path, exact_trace):
     """Whole requests are held out: a request whose rows name two domains would otherwise
     land on both sides, its held-out tokens fitted on."""

@@ -356,3 +356,26 @@ def test_a_hand_made_info_with_an_index_out_of_range_is_refused(backend):
     copy = RebatchInfo(good.slot_to_token, good.token_to_slot, good.counts, 2)
     x = torch.arange(6.0).reshape(3, 2)
     torch.testing.assert_close(resume(apply_rebatch(x, copy, backend="torch"), copy), x)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_hand_made_info_whose_maps_disagree_is_refused(backend):
+    """Maps in range but not a rebatch layout moved rows silently wrong (a token_to_slot not
+    the inverse of slot_to_token gave row 0 back where row 1 was; counts that disagreed with
+    the chunks told the collectives to sum padding)."""
+    t = torch.tensor
+    x = torch.arange(6.0).reshape(3, 2)
+    good = plan_rebatch(t([1, 0, 1]), 2)  # slots [1, -1, 0, 2], tokens [2, 0, 3], counts [1, 2]
+    cases = {
+        "not the inverse": (good.slot_to_token, t([2, 2, 3]), good.counts),
+        "sum to the 3 tokens": (good.slot_to_token, good.token_to_slot, t([1, 1])),
+        "must be >= 0": (good.slot_to_token, good.token_to_slot, t([-1, 4])),
+        "exceed chunk_rows=2": (t([1, -1, 0, 2]), good.token_to_slot, t([0, 3])),
+        "tokens first, then padding": (t([-1, 1, 0, 2]), t([2, 1, 3]), good.counts),
+    }
+    for message, (slots, tokens, counts) in cases.items():
+        info = RebatchInfo(slots, tokens, counts, 2)
+        with pytest.raises(InputError, match=message):
+            apply_rebatch(x, info, backend=backend)
+        with pytest.raises(InputError, match=message):
+            resume(torch.ones(4, 2), info, backend=backend)
