@@ -296,7 +296,7 @@ def compare(
         4096, "--batch-tokens", help="Tokens per runtime batch for the balanced LAR."
     ),
     chain_passes: int = typer.Option(
-        0, "--chain-passes", help="As in `moeplan solve`; given to every method."
+        0, "--chain-passes", help="As in `moeplan solve`; given to every method but vanilla."
     ),
     ngram_defer: bool = typer.Option(
         True, "--ngram-defer/--no-ngram-defer", help="As in `moeplan solve`."
