@@ -48,8 +48,8 @@ def test_usage_error_exits_non_zero(capsys):
 def test_help_lists_the_stages(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    for command in ("profile", "trace"):
-        assert command in out
+    for command in ("profile", "trace", "fit", "solve", "compare", "export", "evaluate"):
+        assert command in out, command
 
 
 def test_paths_and_names_print_as_given_not_as_markup(tmp_path, capsys):

@@ -74,26 +74,26 @@ def _fails_one_line(capsys, args: list[str], message: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "edit",
+    "edit, message",
     [
-        lambda m: m.update(files=["affinity.safetensors"]),
-        lambda m: m["files"].update({"affinity.safetensors": "abc"}),
-        lambda m: m.update(affinity=[1]),
-        lambda m: m.update(distribution="x"),
-        lambda m: m["affinity"].update(confident_threshold="abc"),
-        lambda m: m["affinity"].update(confident_threshold=None),
-        lambda m: m["distribution"].update(momentum="fast"),
+        (lambda m: m.update(files=["affinity.safetensors"]), "'files' must map the names"),
+        (lambda m: m["files"].update({"affinity.safetensors": "abc"}), "'files' must map"),
+        (lambda m: m.update(affinity=[1]), "'affinity' must be a JSON object"),
+        (lambda m: m.update(distribution="x"), "'distribution' must be a JSON object"),
+        (lambda m: m["affinity"].update(confident_threshold="abc"), "'abc' is not a number"),
+        (lambda m: m["affinity"].update(confident_threshold=None), "None is not a number"),
+        (lambda m: m["distribution"].update(momentum="fast"), r"momentum 'fast' must lie in"),
     ],
     ids=[
         "files-list", "files-entry", "affinity-list", "distribution-str",
         "threshold-str", "threshold-null", "momentum-str",
     ],
 )  # fmt: skip
-def test_manifest_sections_of_the_wrong_type_are_refused(saved, tmp_path, edit):
+def test_manifest_sections_of_the_wrong_type_are_refused(saved, tmp_path, edit, message):
     # Before: AttributeError / TypeError / ValueError tracebacks, or a bad momentum kept.
     pred = _copy(saved, tmp_path)
     _edit_manifest(pred, edit)
-    with pytest.raises(SchemaError):
+    with pytest.raises(SchemaError, match=message):
         load_predictor(pred)
 
 
@@ -142,19 +142,28 @@ def test_token_shrinkage_must_hold_numbers(saved, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "name, edit",
+    "name, edit, message",
     [
-        ("affinity.safetensors", lambda t: t.update(data=np.full(t["data"].shape, np.nan))),
-        ("affinity.safetensors", lambda t: t.update(data=t["data"] + 0.5)),
-        ("distribution.safetensors", lambda t: t.update(batches=np.zeros(0, np.int64))),
-        ("distribution.safetensors", lambda t: t.update(probabilities=3 * t["probabilities"])),
-        ("distribution.safetensors", lambda t: t.update(load=-t["load"])),
-        ("batches.safetensors", lambda t: t.update(indices=t["indices"] + 10**6)),
-        ("batches.safetensors", lambda t: t.update(indices=t["indices"] - 10**6)),
+        ("affinity.safetensors", lambda t: t.update(data=np.full(t["data"].shape, np.nan)),
+         "affinity data holds float64, expected integers"),
+        ("affinity.safetensors", lambda t: t.update(data=t["data"] + 0.5),
+         "affinity data holds float64, expected integers"),
+        ("distribution.safetensors", lambda t: t.update(batches=np.zeros(0, np.int64)),
+         "batches must be one non-negative integer"),
+        ("distribution.safetensors", lambda t: t.update(probabilities=3 * t["probabilities"]),
+         "probabilities must sum to 1"),
+        ("distribution.safetensors", lambda t: t.update(load=-t["load"]),
+         "load must hold non-negative integer counts"),
+        ("batches.safetensors", lambda t: t.update(indices=t["indices"] + 10**6),
+         r"indices must be < \d+"),
+        ("batches.safetensors", lambda t: t.update(indices=t["indices"] - 10**6),
+         "indices must be >= 0"),
         # the routed expert of every tuple -1: read as the last expert by numpy indexing
-        ("transitions.safetensors", lambda t: t["keys"].__setitem__((slice(None), 3), -1)),
+        ("transitions.safetensors", lambda t: t["keys"].__setitem__((slice(None), 3), -1),
+         "negative routed expert"),
         # a context expert -1 at the last layer, which has previous layers
-        ("transitions.safetensors", lambda t: t["keys"].__setitem__((-1, 2), -1)),
+        ("transitions.safetensors", lambda t: t["keys"].__setitem__((-1, 2), -1),
+         "expert -1 where the layer has a previous layer"),
     ],
     ids=[
         "affinity-nan", "affinity-fraction", "distribution-batches", "distribution-sum",
@@ -162,12 +171,12 @@ def test_token_shrinkage_must_hold_numbers(saved, tmp_path):
         "transitions-routed", "transitions-context",
     ],
 )  # fmt: skip
-def test_tensors_edited_consistently_are_refused(saved, tmp_path, name, edit):
+def test_tensors_edited_consistently_are_refused(saved, tmp_path, name, edit, message):
     # Before: ValueError/IndexError tracebacks, silently wrong tables, or (batch mix with an
     # index out of range) a segmentation fault at the first use of the loaded predictor.
     pred = _copy(saved, tmp_path)
     _edit_tensors(pred, name, edit)
-    with pytest.raises(SchemaError):
+    with pytest.raises(SchemaError, match=message):
         Predictor.load(pred)
 
 

@@ -66,7 +66,7 @@ def test_tensor_round_trip_and_unknown_tokens():
     assert nn.predict_topk(ids).shape == (4, 3, 2)
     with pytest.raises(InputError):
         nn.predict_topk(np.array([40]))
-    with pytest.raises(InputError):
+    with pytest.raises(InputError, match=r"hidden=0 must be an integer in \[1, "):
         NeuralConfig(hidden=0)
 
 

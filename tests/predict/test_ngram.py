@@ -131,11 +131,11 @@ def test_orders_one_to_three_and_bad_arguments():
         table = fit_ngram_device_table(t, e2d, 2, order=n)
         assert table.to_device.shape == (5, 2**n)
         assert (table.confidence[:n] == 0).all() and (table.confidence[n:].max(axis=1) > 0).all()
-    with pytest.raises(InputError):
+    with pytest.raises(InputError, match="ngram order 4 must be 1, 2 or 3"):
         fit_ngram_device_table(t, e2d, 2, order=4)
-    with pytest.raises(InputError):
+    with pytest.raises(InputError, match="ep_size=3 must be a positive divisor of num_experts=8"):
         fit_ngram_device_table(t, e2d, 3)
-    with pytest.raises(MismatchError):
+    with pytest.raises(MismatchError, match=r"expert_to_device has shape \(4, 8\)"):
         fit_ngram_device_table(t, e2d[:4], 2)
 
 

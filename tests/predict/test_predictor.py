@@ -116,8 +116,11 @@ def test_manifest_values_past_any_range_are_one_line(tmp_path):
     (deep / "predictor.json").write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(SchemaError, match="not valid JSON"):
         Predictor.load(deep)
-    for bad in ({"lr": 10**400}, {"threads": 10**30}):
-        with pytest.raises(InputError):
+    for bad, message in (
+        ({"lr": 10**400}, "lr must be finite numbers"),
+        ({"threads": 10**30}, r"threads=10+ must be an integer in \[1, 4096\]"),
+    ):
+        with pytest.raises(InputError, match=message):
             NeuralConfig(**bad)
     for load in ([[0.6, 0.4]], np.array([[2**63, 1]], np.uint64)):  # truncated / wrapped
         with pytest.raises(InputError, match="whole counts"):

@@ -369,12 +369,15 @@ def test_the_run_records_the_length_it_truncated_to(model_dirs, prompts_file, tm
 
 
 @pytest.mark.parametrize(
-    "kwargs",
-    [{"batch_size": 0}, {"max_length": -1}, {"max_prompts": 0}, {"device": "tpu"},
-     {"dtype": "int8"}],
+    "kwargs, message",
+    [({"batch_size": 0}, "batch-size=0 must be a positive integer"),
+     ({"max_length": -1}, "max-length=-1 must be a positive integer"),
+     ({"max_prompts": 0}, "max-prompts=0 must be a positive integer"),
+     ({"device": "tpu"}, "device 'tpu' is not one of cpu, cuda"),
+     ({"dtype": "int8"}, "dtype 'int8' is not one of")],
 )  # fmt: skip
-def test_bad_config_values(kwargs):
-    with pytest.raises(InputError):
+def test_bad_config_values(kwargs, message):
+    with pytest.raises(InputError, match=message):
         ProfileConfig(**kwargs)
 
 

@@ -112,34 +112,75 @@ def check_validation() -> None:
     from planner.errors import InputError
 
     src = torch.zeros((4, 3))
+    # what -> (call, a fragment of the message it must give: any InputError passed before,
+    # so an earlier check firing for another reason went unnoticed)
     bad_calls = {
-        "index out of range": lambda: kernels.gather_rows(src, torch.tensor([0, 4])),
-        "index below -1": lambda: kernels.gather_rows(src, torch.tensor([-2])),
-        "int32 index": lambda: kernels.gather_rows(src, torch.tensor([0], dtype=torch.int32)),
-        "strided columns": lambda: kernels.gather_rows(src.t(), torch.tensor([0])),
-        "wrong out shape": lambda: kernels.gather_rows(src, torch.tensor([0]), torch.zeros(2, 3)),
-        "block not power of two": lambda: kernels.gather_rows(src, torch.tensor([0]), block_cols=6),
+        "index out of range": (
+            lambda: kernels.gather_rows(src, torch.tensor([0, 4])),
+            "index value 4 outside [-1, 4)",
+        ),
+        "index below -1": (
+            lambda: kernels.gather_rows(src, torch.tensor([-2])),
+            "index value -2 outside [-1, 4)",
+        ),
+        "int32 index": (
+            lambda: kernels.gather_rows(src, torch.tensor([0], dtype=torch.int32)),
+            "index must be a 1-D int64 tensor",
+        ),
+        "strided columns": (
+            lambda: kernels.gather_rows(src.t(), torch.tensor([0])),
+            "src rows must be contiguous",
+        ),
+        "wrong out shape": (
+            lambda: kernels.gather_rows(src, torch.tensor([0]), torch.zeros(2, 3)),
+            "out must be (1, 3)",
+        ),
+        "block not power of two": (
+            lambda: kernels.gather_rows(src, torch.tensor([0]), block_cols=6),
+            "block_cols must be a power of two",
+        ),
         # out overlapping src: programs read rows others already overwrote (silently wrong
         # with several programs; on a GPU they run in parallel)
-        "out is src": lambda: kernels.gather_rows(src, torch.tensor([3, 2, 1, 0]), src),
-        "out inside src": lambda: kernels.gather_rows(src, torch.tensor([3, 2]), src[1:3]),
-        "rebatch into hidden": lambda: rebatch(src, torch.tensor([1, 0, 1, 0]), 2, out=src),
+        "out is src": (
+            lambda: kernels.gather_rows(src, torch.tensor([3, 2, 1, 0]), src),
+            "out overlaps src in memory",
+        ),
+        "out inside src": (
+            lambda: kernels.gather_rows(src, torch.tensor([3, 2]), src[1:3]),
+            "out overlaps src in memory",
+        ),
+        "rebatch into hidden": (
+            lambda: rebatch(src, torch.tensor([1, 0, 1, 0]), 2, out=src),
+            "out overlaps hidden in memory",
+        ),
         # rows of out aliasing one another (expanded): every row held the last one written
-        "expanded out": lambda: kernels.gather_rows(
-            src, torch.tensor([0, 1, 2]), torch.zeros(1, 3).expand(3, 3)
+        "expanded out": (
+            lambda: kernels.gather_rows(
+                src, torch.tensor([0, 1, 2]), torch.zeros(1, 3).expand(3, 3)
+            ),
+            "out rows share memory",
         ),
         # not tensors: AttributeError ('requires_grad', 'ndim') before
-        "numpy src": lambda: kernels.gather_rows(src.numpy(), torch.tensor([0])),
-        "list index": lambda: kernels.gather_rows(src, [0]),
+        "numpy src": (
+            lambda: kernels.gather_rows(src.numpy(), torch.tensor([0])),
+            "src must be a torch.Tensor, got ndarray",
+        ),
+        "list index": (
+            lambda: kernels.gather_rows(src, [0]),
+            "index must be a torch.Tensor, got list",
+        ),
         # the kernel has no backward: the result silently had no grad_fn
-        "src requires grad": lambda: kernels.gather_rows(
-            torch.zeros((4, 3), requires_grad=True), torch.tensor([0])
+        "src requires grad": (
+            lambda: kernels.gather_rows(torch.zeros((4, 3), requires_grad=True), torch.tensor([0])),
+            "src requires grad but the Triton gather has no backward",
         ),
     }
-    for what, call in bad_calls.items():
+    for what, (call, fragment) in bad_calls.items():
         try:
             call()
-        except InputError:
+        except InputError as e:
+            if fragment not in str(e):
+                raise AssertionError(f"{what}: {e!s} (expected {fragment!r})") from None
             continue
         raise AssertionError(f"{what}: no InputError")
 

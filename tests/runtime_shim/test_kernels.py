@@ -12,7 +12,7 @@ import torch
 
 from planner.errors import InputError
 from planner.runtime_shim import kernels
-from planner.runtime_shim.rebatch import rebatch, resume
+from planner.runtime_shim.rebatch import _use_triton, rebatch, resume
 from tests.conftest import child_env
 
 WORKER = Path(__file__).with_name("_interpret_worker.py")
@@ -60,10 +60,11 @@ def test_kernel_refuses_cpu_tensors_when_compiled():
 def test_explicit_triton_backend_on_cpu_is_an_input_error():
     if kernels.INTERPRETED:
         pytest.skip("CPU tensors are allowed under the interpreter")
-    with pytest.raises(InputError):
+    with pytest.raises(InputError, match="needs CUDA tensors"):
         rebatch(torch.zeros(3, 2), torch.tensor([0, 1, 0]), 2, backend="triton")
 
 
+@needs_triton
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize(("tokens", "hidden"), [(1, 7), (1037, 1029), (4099, 4096)])
@@ -75,7 +76,9 @@ def test_kernel_matches_torch_on_gpu(dtype, tokens, hidden):
     devices = torch.randint(0, 8, (tokens,), device="cuda", generator=g)
     devices[devices == 3] = 5  # one empty device group
     want, info = rebatch(x, devices, 8, backend="torch")
-    got, info_t = rebatch(x, devices, 8, backend="auto")
+    # the kernel itself (auto fell back to torch's gather silently, and both sides were torch)
+    got, info_t = rebatch(x, devices, 8, backend="triton")
+    assert _use_triton(x, "auto")  # and auto takes it for these rows
     bits = torch.uint8  # fp8 has no equal; bits are what the kernel moves
     assert torch.equal(got.view(bits), want.view(bits))
-    assert torch.equal(resume(got, info_t).view(bits), x.view(bits))
+    assert torch.equal(resume(got, info_t, backend="triton").view(bits), x.view(bits))

@@ -184,11 +184,18 @@ def test_any_permutation_when_grouping_does_not_constrain():
     ]:
         model = deepseek(model_type, **overrides)
         input_ids = torch.arange(3, 25).reshape(2, 11)
-        before, _ = run(model, input_ids)
+        before, before_layers = run(model, input_ids)
         perm = np.stack([np.random.default_rng(s).permutation(N_EXPERTS) for s in (0, 1)])
         apply_expert_placement(model, make_tables(perm, EP_SIZE))
-        after, _ = run(model, input_ids)
+        after, after_layers = run(model, input_ids)
         torch.testing.assert_close(after, before, atol=1e-5, rtol=0)
+        # the experts did move (a placement skipped here kept the logits too)
+        assert torch.equal(model.moeplan_expert_permutation, torch.from_numpy(perm))
+        for layer, ((lb, _, _), (la, _, _)) in enumerate(
+            zip(before_layers, after_layers, strict=True)
+        ):
+            p = torch.from_numpy(perm[layer])
+            torch.testing.assert_close(la.float(), lb.float()[:, p], atol=1e-5, rtol=1e-6)
 
 
 def test_check_group_preserving_accepts_group_moves():

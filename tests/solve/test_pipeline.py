@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -64,10 +65,19 @@ def test_plan_covers_the_vocabulary_and_beats_vanilla(pipeline, tmp_path):
     assert ov["token_imbalance_balanced"] <= 1.1 + 4 / 4096 + 1e-9
 
 
-def test_same_seed_same_plan_any_jobs(pipeline):
+def test_same_seed_same_plan_any_jobs(pipeline, monkeypatch):
+    """Layers solved apart (no n-gram term: with it the 3 layers are one run, solved in this
+    process whatever jobs says) reach the worker pool with jobs=2."""
+    from planner.solve import plan as plan_module
+
     _, _, _, predictor = pipeline
-    a = make_plan(predictor, PlanConfig("kmeans", ep_size=4, seed=1), progress=False)
-    b = make_plan(predictor, PlanConfig("kmeans", ep_size=4, seed=1, jobs=2), progress=False)
+    used, pool = [], plan_module._worker_pool
+    monkeypatch.setattr(plan_module, "_worker_pool", lambda n: (used.append(n), pool(n))[1])
+    config = PlanConfig("kmeans", ep_size=4, seed=1, ngram_weight=0.0)
+    a = make_plan(predictor, config, progress=False)
+    assert used == []
+    b = make_plan(predictor, dataclasses.replace(config, jobs=2), progress=False)
+    assert used == [2]
     np.testing.assert_array_equal(a.expert_to_device, b.expert_to_device)
     np.testing.assert_array_equal(a.token_to_device, b.token_to_device)
 

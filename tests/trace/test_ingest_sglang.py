@@ -63,8 +63,10 @@ def test_files_given_one_by_one_equal_the_directory(dump_dir):
     files = sorted(dump_dir.iterdir())
     _, by_dir, _ = convert_sglang([dump_dir])
     _, by_file, _ = convert_sglang(files[::-1])  # order of arguments does not matter
-    np.testing.assert_array_equal(by_dir.experts, by_file.experts)
-    np.testing.assert_array_equal(by_dir.request_id, by_file.request_id)
+    for column in ("request_id", "position", "token_id", "experts", "weights"):
+        np.testing.assert_array_equal(
+            getattr(by_dir, column), getattr(by_file, column), err_msg=column
+        )
 
 
 def test_vocab_inferred_and_unknown_tokens(dump_dir):

@@ -276,8 +276,9 @@ def test_cli_synth(tmp_path, capsys):
     ]
 
 
-def test_speed_on_a_moderate_config(record_property):
-    """Vectorised generation: 32 layers x 128 experts x top-8 over 100k tokens (no hard bound)."""
+def test_a_moderate_config_generates_every_row(record_property):
+    """32 layers x 128 experts x top-8 over 100k tokens: every row comes out. Its rows/s is
+    recorded as a property, not checked (speed is the benchmarks' business, not a test's)."""
     config = SynthConfig(
         num_layers=32, num_experts=128, top_k=8, vocab_size=50000, num_tokens=100_000
     )
