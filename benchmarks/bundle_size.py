@@ -12,13 +12,11 @@ Times: ``save_s`` (save_bundle, incl. sha256 and atomic rename), ``load_verify_s
 (load_bundle_arrays: sha256, dtypes, shapes, ranges, capacities), ``verify_report_s``
 (verify_bundle), ``load_torch_s`` (runtime_shim.load_bundle onto the CPU), and
 ``route_4096_us`` (PlanTables.route of 4096 tokens with n-gram history and the balanced
-capacity, median of 20). Run: ``python benchmarks/bundle_size.py [--repeats 3]``.
+capacity, median of 20). Run: ``python benchmarks/bundle_size.py [--repeats 3] [--out FILE]``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -26,7 +24,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _common import run  # (benchmarks/ is on sys.path when run as a script)
+from _common import (  # (benchmarks/ is on sys.path when run as a script)
+    ArgumentParser,
+    emit_json,
+    output_path,
+    positive_int,
+    run,
+)
 
 from planner.export import Bundle, load_bundle_arrays, save_bundle, verify_bundle
 from planner.runtime_shim.tables import balanced_capacity, load_bundle
@@ -119,8 +123,12 @@ def measure(name: str, shape: dict, repeats: int, workdir: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3, help="best of this many runs")
+    parser = ArgumentParser(__doc__)
+    parser.add_argument(
+        "--repeats", type=positive_int, default=3,
+        help="time each step this many times and report the best, at least 1 (default 3)",
+    )  # fmt: skip
+    parser.add_argument("--out", type=output_path, help="also write the JSON here (default: no)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -128,7 +136,7 @@ def main() -> None:
             name: measure(name, shape, args.repeats, Path(tmp)) for name, shape in SHAPES.items()
         }
     results["_env"] = {"torch": torch.__version__, "numpy": np.__version__, "threads": 1}
-    print(json.dumps(results, indent=2))
+    emit_json(results, args.out)
 
 
 if __name__ == "__main__":

@@ -52,7 +52,6 @@ each case also records every method's held-out expert-load imbalance.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -62,11 +61,26 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from _common import emit_json, run  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from _common import (  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+    ArgumentParser,
+    choice_list,
+    emit_json,
+    int_list,
+    nonnegative_int,
+    output_path,
+    positive_int,
+    run,
+)
 
+from planner.errors import InputError  # noqa: E402
 from planner.evaluate.compare import compare_methods  # noqa: E402
 from planner.predict.fit import FitConfig, fit_predictor  # noqa: E402
-from planner.predict.split import split_trace, split_trace_by_domain, trace_domains  # noqa: E402
+from planner.predict.split import (  # noqa: E402
+    check_fraction,
+    split_trace,
+    split_trace_by_domain,
+    trace_domains,
+)
 from planner.profile.runner import ProfileConfig, profile_model  # noqa: E402
 from planner.solve.ngram_term import DEFAULT_WEIGHT  # noqa: E402
 from planner.solve.pipeline import PlanConfig  # noqa: E402
@@ -83,6 +97,8 @@ SHAPES = {
     "synth-qwen3": (128, 8, (8, 16)),
 }
 EP_SIZES |= {name: eps for name, (_, _, eps) in SHAPES.items()} | {"synth-deepseek": (8, 32)}
+SOURCES = tuple(EP_SIZES)  # every --sources name
+NGRAMS = ("top1", "routed")  # the n-gram statistics fit can count (FitConfig.ngram_routed)
 METHODS = ["ceo", "metis", "kmeans", "alternating", "vanilla"]
 BASELINES = ("metis", "kmeans", "alternating")
 
@@ -103,9 +119,7 @@ def source_trace(name: str, work: Path) -> Path:
         out = work / name
         return out if out.exists() else synthesize(config, out)
     if name != "example":
-        raise SystemExit(
-            f"unknown source {name!r}: flame, example, synth-deepseek or one of {', '.join(SHAPES)}"
-        )
+        raise InputError(f"unknown source {name!r}; choose from {', '.join(SOURCES)}")
     out = work / "example_trace"
     if not out.exists():
         profile_model(
@@ -213,21 +227,44 @@ def against_the_rest(cases: list[dict]) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--sources", default="flame,example")
-    ap.add_argument("--ngram", default="top1,routed", help="n-gram statistics to fit with")
-    ap.add_argument("--ep", default=None, help="EP sizes (default: per source)")
-    ap.add_argument("--jobs", type=int, default=2)
+    ap = ArgumentParser(__doc__)
     ap.add_argument(
-        "--ngram-weight", type=float, default=DEFAULT_WEIGHT, help="n-gram term (0: off)"
+        "--seeds", type=int_list(least=0), default=[0, 1, 2],
+        help="comma-separated split seeds, each at least 0 (default 0,1,2)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--sources", type=choice_list(SOURCES), default=["flame", "example"],
+        help=f"comma-separated traces, of {', '.join(SOURCES)} (default flame,example)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--ngram", type=choice_list(NGRAMS), default=list(NGRAMS),
+        help="comma-separated n-gram statistics to fit with, of top1, routed (default both)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--ep", type=int_list(least=1), default=None,
+        help="comma-separated EP sizes, each at least 1 (default: per source, "
+        + "; ".join(f"{s} {','.join(map(str, e))}" for s, e in EP_SIZES.items())
+        + ")",
+    )  # fmt: skip
+    ap.add_argument(
+        "--jobs", type=positive_int, default=2, help="solver processes, at least 1 (default 2)"
     )
-    ap.add_argument("--ceo-options", type=json.loads, default={}, help="CEO options (JSON)")
-    ap.add_argument("--chain-passes", type=int, default=0, help="chain polish sweeps")
+    ap.add_argument(
+        "--ngram-weight", type=float, default=DEFAULT_WEIGHT,
+        help=f"weight of the n-gram term (0: off; default {DEFAULT_WEIGHT:g})",
+    )  # fmt: skip
+    ap.add_argument(
+        "--ceo-options", type=json.loads, default={},
+        help='CEO options as a JSON object, e.g. \'{"batch_aware": false}\' (default {})',
+    )  # fmt: skip
+    ap.add_argument(
+        "--chain-passes", type=nonnegative_int, default=0,
+        help="chain polish sweeps of every method but vanilla (default 0: none)",
+    )  # fmt: skip
     ap.add_argument(
         "--no-ngram-defer",
         action="store_true",
-        help="keep the fitted n-gram confidences (PlanConfig.ngram_defer off)",
+        help="keep the fitted n-gram confidences (PlanConfig.ngram_defer off; default: defer)",
     )
     ap.add_argument(
         "--expert-beta",
@@ -239,13 +276,14 @@ def main(argv=None) -> int:
         "--split",
         choices=("request", "domain"),
         default="request",
-        help="request: 50/50 by request per seed; domain: hold out each domain in turn "
-        "(traces with a domain column: example and the synthetic shapes; --seeds unused)",
+        help="request (default): 50/50 by request per seed; domain: hold out each domain in "
+        "turn (traces with a domain column: example and the synthetic shapes; --seeds unused)",
     )
     ap.add_argument(
         "--no-embeddings",
         action="store_true",
-        help="fit without the trace's input embeddings (moeplan fit --no-embeddings)",
+        help="fit without the trace's input embeddings (moeplan fit --no-embeddings; "
+        "default: with them)",
     )
     ap.add_argument(
         "--holdout",
@@ -256,23 +294,34 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--polish-baselines",
         action="store_true",
-        help="end METIS, k-means and alternating with CEO's local search (PlanConfig.polish)",
+        help="end METIS, k-means and alternating with CEO's local search (PlanConfig.polish; "
+        "default: off)",
     )
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--out", type=output_path, default=None, help="also write the JSON here (default: no)"
+    )
     args = ap.parse_args(argv)
+    # the settings of every case, checked before any trace is made or split
+    check_fraction(args.holdout)
+    for ep in args.ep or sorted({e for s in args.sources for e in EP_SIZES[s]}):
+        PlanConfig(
+            ep_size=ep, jobs=args.jobs, ngram_weight=args.ngram_weight,
+            options={"ceo": args.ceo_options}, chain_passes=args.chain_passes,
+            expert_beta=args.expert_beta, polish=args.polish_baselines,
+        )  # fmt: skip
     started = time.perf_counter()
     cases = []
     with tempfile.TemporaryDirectory(prefix="moeplan-compare-") as tmp:
         work = Path(tmp)
-        for source in args.sources.split(","):
+        for source in args.sources:
             trace = source_trace(source, work)
-            eps = [int(e) for e in args.ep.split(",")] if args.ep else EP_SIZES[source]
+            eps = args.ep or EP_SIZES[source]
             if args.split == "domain":
                 splits = [(0, d) for d in trace_domains(open_trace(trace))]
             else:
-                splits = [(int(s), None) for s in args.seeds.split(",")]
+                splits = [(s, None) for s in args.seeds]
             for seed, domain in splits:
-                for ngram in args.ngram.split(","):
+                for ngram in args.ngram:
                     for ep in eps:
                         case = {
                             "source": source,

@@ -26,7 +26,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import emit_json, peak_rss_mib, run  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from _common import (  # (benchmarks/ is on sys.path when run as a script)
+    ArgumentParser,
+    emit_json,
+    int_list,
+    output_path,
+    peak_rss_mib,
+    run,
+)
 
 
 def write_prefix(trace: Path, tokens: int, out: Path) -> None:
@@ -66,9 +73,13 @@ def child(held_out: str, bundle: str) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", default="250000,1000000", help="held-out lengths, ascending")
-    ap.add_argument("--out", help="also write the JSON here")
+    ap = ArgumentParser(__doc__)
+    ap.add_argument(
+        "--tokens", type=int_list(least=1), default=[250_000, 1_000_000],
+        help="comma-separated held-out lengths in tokens, each at least 1, measured in "
+        "ascending order (default 250000,1000000)",
+    )  # fmt: skip
+    ap.add_argument("--out", type=output_path, help="also write the JSON here (default: no)")
     ap.add_argument("--child", nargs=2, metavar=("HELD_OUT", "BUNDLE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -81,7 +92,7 @@ def main() -> None:
     from planner.trace.io import open_trace
     from planner.trace.synth import DEEPSEEK_V3, synthesize
 
-    lengths = sorted(int(t) for t in args.tokens.split(","))
+    lengths = sorted(args.tokens)
     with tempfile.TemporaryDirectory(prefix="evaluate-bench-") as tmp:
         trace = Path(tmp) / "trace"
         config = dataclasses.replace(

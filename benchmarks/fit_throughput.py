@@ -45,7 +45,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import emit_json, peak_rss_mib, run  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from _common import (  # (benchmarks/ is on sys.path when run as a script)
+    ArgumentParser,
+    emit_json,
+    int_list,
+    output_path,
+    peak_rss_mib,
+    positive_int,
+    run,
+)
 
 TARGET = 20e6  # routed activations per second
 # Routing shapes of --shape: (layers, experts, top-k, vocabulary); deepseek-v3 is the preset's.
@@ -104,8 +112,10 @@ def measure(mode: str, trace: str, repeats: int) -> dict:
     for _ in range(repeats):
         proc = subprocess.run(
             [sys.executable, __file__, "--child", mode, "--trace", trace],
-            capture_output=True, text=True, check=True,
+            capture_output=True, text=True,
         )  # fmt: skip
+        if proc.returncode:
+            sys.exit(f"the {mode} child failed (exit {proc.returncode}):\n{proc.stderr}")
         runs.append(json.loads(proc.stdout))
     times = [r["pass_s"] for r in runs]
     acts = runs[0]["activations"]
@@ -161,25 +171,37 @@ def scaling(sizes: list[int], shape: str, repeats: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=200_000)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--trace", help="reuse this trace (of --shape) instead of synthesising")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="deepseek-v3")
+    ap = ArgumentParser(__doc__)
     ap.add_argument(
-        "--scaling",
-        help="comma-separated token counts: the fit's peak memory at each (module doc)",
+        "--tokens", type=positive_int, default=200_000,
+        help="token occurrences of the synthetic trace, at least 1 (default 200000)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--repeats", type=positive_int, default=3,
+        help="fresh child processes per measurement, at least 1 (default 3)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--trace",
+        help="reuse this trace (of --shape) instead of synthesising (default: synthesise)",
     )
-    ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument(
+        "--shape", choices=sorted(SHAPES), default="deepseek-v3",
+        help=f"routing shape of the synthetic traces: {', '.join(sorted(SHAPES))} "
+        "(default deepseek-v3)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--scaling", type=int_list(least=2),
+        help="comma-separated token counts, each at least 2: measure the fit's peak memory at "
+        "each instead (module doc; default: off)",
+    )  # fmt: skip
+    ap.add_argument("--out", type=output_path, help="also write the JSON here (default: no)")
     ap.add_argument("--child", choices=["fit", "accumulate"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.trace)))
         return
     if args.scaling:
-        sizes = sorted({int(x) for x in args.scaling.split(",") if x.strip()})
-        if not sizes or sizes[0] < 2:
-            raise SystemExit("--scaling: token counts of at least 2, e.g. 60000,240000,600000")
+        sizes = sorted(set(args.scaling))
         report = {
             "shape": args.shape,
             "dims": SHAPES[args.shape] or "planner.trace.synth.DEEPSEEK_V3",

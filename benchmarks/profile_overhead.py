@@ -6,18 +6,20 @@ Loads a checkpoint once, then times, over the same prompts and batches (repeated
 * hooks: the same with router hooks and trace rows built (``ProfileSession.profile``);
 * profiled: hooks plus writing the parts with ``TraceWriter`` (what ``moeplan profile`` does).
 
-Prints JSON: tokens/s each way, overhead % of hooks and of hooks + writing (from medians, and
-from minimums: the least disturbed by other processes), and trace bytes per token. Default model: ``examples/tiny_moe/model`` when it exists, else a tiny random
-qwen3_moe built in a temporary directory. Default prompts: ``examples/prompts.jsonl`` when it
-exists, else synthetic ones.
+Prints JSON: tokens/s each way (``tokens_per_s_plain``, ``_hooks``, ``_profiled``, from
+medians), overhead % of hooks (``overhead_hooks_pct``) and of hooks + writing
+(``overhead_pct``) from medians, and the same from minimums, the least disturbed by other
+processes (``overhead_hooks_pct_min``, ``overhead_pct_min``), and trace bytes per token.
+Default model: ``examples/tiny_moe/model`` when it exists, else a tiny random qwen3_moe built
+in a temporary directory. Default prompts: ``examples/prompts.jsonl`` when it exists, else
+synthetic ones.
 
     python benchmarks/profile_overhead.py [--model DIR] [--prompts FILE] [--max-prompts N]
+        [--max-length N] [--batch-size N] [--repeats N] [--threads N]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -27,7 +29,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from _common import run  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from _common import (  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+    ArgumentParser,
+    emit_json,
+    positive_int,
+    run,
+)
 
 from planner.profile.checkpoint import (  # noqa: E402
     inspect_checkpoint,
@@ -68,17 +75,47 @@ def _timed(fn) -> tuple[float, object]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=None)
-    ap.add_argument("--prompts", type=Path, default=None)
-    ap.add_argument("--max-prompts", type=int, default=64)
-    ap.add_argument("--max-length", type=int, default=256)
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--prompts-per-part", type=int, default=64)
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--dtype", default=None)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap = ArgumentParser(__doc__)
+    ap.add_argument(
+        "--model", type=Path, default=None,
+        help="checkpoint folder (default: examples/tiny_moe/model, else a tiny random qwen3_moe)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--prompts", type=Path, default=None,
+        help="prompts JSONL file (default: examples/prompts.jsonl, else synthetic prompts)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--max-prompts", type=positive_int, default=64,
+        help="prompts to run, the first ones of the file, at least 1 (default 64)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--max-length", type=positive_int, default=256,
+        help="tokens a prompt is truncated to, at least 1 (default 256)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--batch-size", type=positive_int, default=8,
+        help="prompts a forward pass, at least 1 (default 8)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--prompts-per-part", type=positive_int, default=64,
+        help="prompts a trace part (and a profiling chunk), at least 1 (default 64)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--device", default=None,
+        help="torch device, e.g. cpu or cuda (default: cuda when available, else cpu)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--dtype", default=None,
+        help="model dtype, e.g. float32 or bfloat16 (default: bfloat16 on cuda, else float32)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--repeats", type=positive_int, default=5,
+        help="timed runs of each of the three, interleaved, at least 1 (default 5)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--threads", type=positive_int, default=None,
+        help="torch CPU threads, at least 1 (default: torch's)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if args.threads:
         import torch
@@ -178,14 +215,16 @@ def main(argv: list[str] | None = None) -> dict:
         "seconds_hooks": round(med["hooks"], 4),
         "seconds_profiled": round(med["profiled"], 4),
         "tokens_per_s_plain": round(tokens / med["plain"], 1),
+        "tokens_per_s_hooks": round(tokens / med["hooks"], 1),
         "tokens_per_s_profiled": round(tokens / med["profiled"], 1),
         "overhead_hooks_pct": round(100 * (med["hooks"] / med["plain"] - 1), 1),
+        "overhead_hooks_pct_min": round(100 * (best["hooks"] / best["plain"] - 1), 1),
         "overhead_pct": round(100 * (med["profiled"] / med["plain"] - 1), 1),
         "overhead_pct_min": round(100 * (best["profiled"] / best["plain"] - 1), 1),
         "trace_bytes": trace_bytes,
         "trace_bytes_per_token": round(trace_bytes / tokens, 2) if tokens else None,
     }
-    print(json.dumps(report, indent=2))
+    emit_json(report)
     return report
 
 

@@ -1,6 +1,7 @@
 """Rebatch / resume speed: CPU torch path vs one index_select, and the Triton kernel's GB/s.
 
-Usage: ``python benchmarks/rebatch_speed.py [--tokens 16384] [--hidden 4096] [--ep 8]``.
+Usage: ``python benchmarks/rebatch_speed.py [--tokens 16384] [--hidden 4096] [--ep 8]
+[--repeats 7] [--dtypes bf16,fp32] [--threads N]``.
 Prints one JSON object. CPU numbers are medians over ``--repeats`` runs after a warm-up,
 timed two ways: allocating outputs on every call (what a plain ``x.index_select`` does),
 and writing into preallocated buffers (what a runtime that reuses buffers does). The
@@ -15,15 +16,21 @@ device-to-device ``copy_`` bandwidth.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import statistics
 import time
 
 import torch
-from _common import run, time_cuda  # (benchmarks/ is on sys.path when run as a script)
+from _common import (  # (benchmarks/ is on sys.path when run as a script)
+    ArgumentParser,
+    choice_list,
+    emit_json,
+    gather_bytes,
+    positive_int,
+    run,
+    time_cuda,
+)
 
 from planner.runtime_shim import kernels
 from planner.runtime_shim.rebatch import apply_rebatch, plan_rebatch, rebatch, resume
@@ -108,9 +115,9 @@ def gpu_case(tokens: int, hidden: int, ep: int, dtype: torch.dtype, repeats: int
     torch_ms = timed(lambda: torch.index_select(x, 0, perm, out=back))
     copy_dst = torch.empty_like(x)
     copy_ms = timed(lambda: copy_dst.copy_(x))
-    # Padding rows are written but not read; index reads are 8 bytes per row.
-    rebatch_bytes = (tokens + info.padded_rows) * hidden * elem + info.padded_rows * 8
-    resume_bytes = 2 * tokens * hidden * elem + tokens * 8
+    # Padding rows are written but not read; index reads are 8 bytes per written row.
+    rebatch_bytes = gather_bytes(tokens, info.padded_rows, hidden, elem)
+    resume_bytes = gather_bytes(tokens, tokens, hidden, elem)
     return {
         "rebatch_ms": round(rebatch_ms, 4),
         "resume_ms": round(resume_ms, 4),
@@ -124,17 +131,32 @@ def gpu_case(tokens: int, hidden: int, ep: int, dtype: torch.dtype, repeats: int
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--ep", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--dtypes", default="bf16,fp32")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p = ArgumentParser(__doc__)
+    p.add_argument(
+        "--tokens", type=positive_int, default=16384, help="rows T, at least 1 (default 16384)"
+    )
+    p.add_argument(
+        "--hidden", type=positive_int, default=4096, help="row width H, at least 1 (default 4096)"
+    )
+    p.add_argument(
+        "--ep", type=positive_int, default=8, help="EP size (devices), at least 1 (default 8)"
+    )
+    p.add_argument(
+        "--repeats", type=positive_int, default=7,
+        help="timed runs a measurement (median; 3x on CUDA), at least 1 (default 7)",
+    )  # fmt: skip
+    p.add_argument(
+        "--dtypes", type=choice_list(DTYPES), default=list(DTYPES),
+        help=f"comma-separated, of {', '.join(DTYPES)} (default {','.join(DTYPES)})",
+    )  # fmt: skip
+    p.add_argument(
+        "--threads", type=positive_int, default=None,
+        help="torch CPU threads, at least 1 (default: torch's)",
+    )  # fmt: skip
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtypes = [d.strip() for d in args.dtypes.split(",")]
+    dtypes = args.dtypes
 
     result: dict = {
         "tokens": args.tokens,
@@ -162,7 +184,7 @@ def main() -> None:
         }
     else:
         result["gpu"] = "skipped: no CUDA device (or triton missing); Triton GB/s not measured"
-    print(json.dumps(result, indent=2))
+    emit_json(result)
 
 
 if __name__ == "__main__":

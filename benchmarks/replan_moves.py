@@ -11,9 +11,12 @@ aligned only, experts move freely). Each is scored against the deployed plan on 
 (``moeplan evaluate --against``): the ratio of balanced LARs with its 90% paired-bootstrap
 interval over C's requests, the verdict, and the experts the rollout moves.
 
-Sources: the example model's trace (16 experts, 6 layers; profiled here from the committed
-model, about a minute) and the real FLAME-MoE trace in ``../shared/realdata/`` (64
-experts, 9 layers). About 30 s per plan on the example, 60-90 s on FLAME-MoE (2 cores).
+Sources (``--sources``, those of ``compare_traces.py``): ``example``, the example model's
+trace (16 experts, 6 layers; profiled here from the committed model, about a minute);
+``flame``, the real FLAME-MoE trace in ``../shared/realdata/`` (64 experts, 9 layers); and
+the synthetic shape checks ``synth-mixtral``, ``synth-gptoss``, ``synth-qwen3`` and
+``synth-deepseek`` (not real routing; their shapes are in ``compare_traces.py``'s doc). About
+30 s per plan on the example, 60-90 s on FLAME-MoE (2 cores).
 
     python benchmarks/replan_moves.py [--sources example,flame] [--ep 4,8]
         [--costs 0,0.0005,0.001,0.002,0.005] [--shift numeric] [--seed 7] [--out FILE]
@@ -29,7 +32,6 @@ reports (their cases pooled) without solving anything.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -39,9 +41,19 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from _common import emit_json, run  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
-from compare_traces import source_trace  # noqa: E402
+from _common import (  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+    ArgumentParser,
+    choice_list,
+    emit_json,
+    float_list,
+    int_list,
+    nonnegative_int,
+    output_path,
+    run,
+)
+from compare_traces import SOURCES, source_trace  # noqa: E402
 
+from planner.errors import InputError  # noqa: E402
 from planner.evaluate.compare import against_deployed  # noqa: E402
 from planner.evaluate.plots import check_plot_path, plot_replan  # noqa: E402
 from planner.export.api import bundle_from_plan  # noqa: E402
@@ -116,44 +128,87 @@ def run_source(
     return cases
 
 
+def read_cases(path: str) -> list:
+    """The cases of an earlier report (``--replot``); InputError for a file that is none."""
+    try:
+        cases = json.loads(Path(path).read_text())["cases"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        raise InputError(f"{path} is no replan_moves report (JSON with its cases)") from None
+    if not isinstance(cases, list):
+        raise InputError(f"{path}: its cases are not a list")
+    return cases
+
+
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sources", default="example,flame")
-    ap.add_argument("--ep", default="4,8")
-    ap.add_argument("--costs", default="0,0.0005,0.001,0.002,0.005")
-    ap.add_argument("--shift", default=None, help="a prompt domain the deployed plan never saw")
-    ap.add_argument("--seed", type=int, default=7)
+    ap = ArgumentParser(__doc__)
     ap.add_argument(
-        "--chain-passes", type=int, default=0, help="the chain polish on every plan (sweeps)"
+        "--sources", type=choice_list(SOURCES), default=["example", "flame"],
+        help=f"comma-separated traces, of {', '.join(SOURCES)} (default example,flame)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--ep", type=int_list(least=1), default=[4, 8],
+        help="comma-separated EP sizes, each at least 1 (default 4,8)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--costs", type=float_list(least=0), default=[0, 0.0005, 0.001, 0.002, 0.005],
+        help="comma-separated move costs, LAR shares in [0, 1] "
+        "(default 0,0.0005,0.001,0.002,0.005)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--shift", default=None,
+        help="a prompt domain the deployed plan never saw (default: none, no drift)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--seed", type=nonnegative_int, default=7, help="split seed, at least 0 (default 7)"
     )
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--plot", default=None, help="draw the trade-off to this .png/.svg/.pdf")
-    ap.add_argument("--replot", nargs="+", default=None, help="earlier reports to draw only")
+    ap.add_argument(
+        "--chain-passes", type=nonnegative_int, default=0,
+        help="chain polish sweeps on every plan (default 0: none)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--out", type=output_path, default=None, help="also write the JSON here (default: no)"
+    )
+    ap.add_argument(
+        "--plot", default=None,
+        help="draw the trade-off to this .png/.svg/.pdf (default: no plot)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--replot", nargs="+", default=None,
+        help="earlier reports (JSON) to draw with --plot, solving nothing",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if args.plot:
         check_plot_path(args.plot)  # before the work
     if args.replot:
         if not args.plot:
-            raise SystemExit("--replot draws earlier reports: give --plot FILE too")
-        cases = [c for path in args.replot for c in json.loads(Path(path).read_text())["cases"]]
+            ap.error("--replot draws earlier reports: give --plot FILE too")
+        cases = [c for path in args.replot for c in read_cases(path)]
         print(plot_replan(cases, args.plot), file=sys.stderr)
         report = {"benchmark": "replan_moves", "plot": args.plot, "cases": cases}
         emit_json(report, args.out)
         return report
-    eps = [int(v) for v in args.ep.split(",")]
-    costs = [float(v) for v in args.costs.split(",")]
+    eps, costs = args.ep, args.costs
+    for ep in eps:  # the plan settings of every case, checked before any trace is made
+        for cost in costs:
+            PlanConfig(ep_size=ep, move_cost=cost, chain_passes=args.chain_passes)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="moeplan-replan-") as tmp:
         cases = [
             case
-            for name in args.sources.split(",")
+            for name in args.sources
             for case in run_source(
                 name, Path(tmp), eps, costs, args.shift, args.seed, args.chain_passes
             )
         ]
     report = {
         "benchmark": "replan_moves",
-        "config": vars(args),
+        # as given on the command line: comma-separated lists as text
+        "config": vars(args)
+        | {
+            "sources": ",".join(args.sources),
+            "ep": ",".join(map(str, eps)),
+            "costs": ",".join(f"{c:g}" for c in costs),
+        },
         "cases": cases,
         "seconds": round(time.perf_counter() - t0, 1),
     }

@@ -30,22 +30,31 @@ Mixtral, where the expert placements can be enumerated (35 for EP 2, 105 for EP 
 best enumerated placement (each with the shared token assignment) is the reference optimum
 of the fit objective.
 
-    python benchmarks/solve_quality.py [--quick] [--seed 0] [--sections thin,cross,ilp] [--out FILE]
+    python benchmarks/solve_quality.py [--quick] [--seed 0] [--sections thin,cross,ilp]
+        [--counts FILE] [--out FILE]
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
-from _common import emit_json, run  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from _common import (  # (benchmarks/ is on sys.path when run as a script)
+    ArgumentParser,
+    choice_list,
+    emit_json,
+    nonnegative_int,
+    output_path,
+    run,
+)
 from scipy import sparse
 
+from planner.errors import InputError, SchemaError
 from planner.solve import common, metrics
 from planner.solve.problem import LayerProblem, SolverConfig
 from planner.solve.registry import solve_layer
@@ -68,6 +77,7 @@ ABLATION = {
     "+polish": {"clusterings": 0},
     "+clusterings (default)": {},
 }
+COLUMNS = ("model", "domain", "layer", "token_id", "expert", "count")  # of the counts table
 CROSS_PAIRS = (
     ("arxiv", "github"),
     ("github", "arxiv"),
@@ -77,8 +87,19 @@ CROSS_PAIRS = (
 
 
 def load_counts(path: Path) -> dict:
-    """{(model, layer): {domain: (token_id [R], expert [R], count [R])}}."""
-    table = pq.read_table(path).to_pandas()
+    """{(model, layer): {domain: (token_id [R], expert [R], count [R])}}; a one-line error
+    for a file that is no Parquet table or lacks one of :data:`COLUMNS`."""
+    try:
+        names = set(pq.read_schema(path).names)
+    except pa.ArrowException as e:
+        raise InputError(f"{path} is no Parquet counts table: {e}") from None
+    missing = [c for c in COLUMNS if c not in names]
+    if missing:
+        raise SchemaError(
+            f"{path} lacks the counts table's column(s) {', '.join(missing)} "
+            f"(it needs {', '.join(COLUMNS)})"
+        )
+    table = pq.read_table(path, columns=list(COLUMNS)).to_pandas()
     out: dict = {}
     for name, spec in MODELS.items():
         sub = table[table["model"].astype(str).str.contains(spec["match"])]
@@ -308,22 +329,32 @@ SECTIONS = ("thin", "cross", "lodo", "ilp")
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--counts", type=Path, default=COUNTS)
-    ap.add_argument("--seed", type=int, default=0)
+    ap = ArgumentParser(__doc__)
     ap.add_argument(
-        "--quick", action="store_true", help="layer 7 only, no ablation, one cross pair"
-    )
+        "--counts", type=Path, default=COUNTS,
+        help="Parquet counts table with columns " + ", ".join(COLUMNS)
+        + " (default ../shared/realdata/olmoe-mixtral-token-expert-counts.parquet)",
+    )  # fmt: skip
     ap.add_argument(
-        "--sections",
-        default="thin,cross,ilp",
-        help=f"comma-separated, of {','.join(SECTIONS)} (lodo: leave one domain out)",
+        "--seed", type=nonnegative_int, default=0,
+        help="seed of the splits and the solvers, at least 0 (default 0)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--quick", action="store_true",
+        help="cut the run: layer 7 only, no ablation, one cross pair, one left-out domain "
+        "(lodo), and 8 random ILP instances (not 26) plus layer 7's Mixtral ones only "
+        "(default: everything)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--sections", type=choice_list(SECTIONS), default=["thin", "cross", "ilp"],
+        help=f"comma-separated, of {', '.join(SECTIONS)} (lodo: leave one domain out; "
+        "default thin,cross,ilp)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--out", type=output_path, default=None, help="also write the JSON here (default: no)"
     )
-    ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
-    sections = {x.strip() for x in args.sections.split(",") if x.strip()}
-    if not sections or sections - set(SECTIONS):
-        ap.error(f"--sections must name some of {', '.join(SECTIONS)}, got {args.sections!r}")
+    sections = set(args.sections)
     started = time.perf_counter()
     data = load_counts(args.counts)
 

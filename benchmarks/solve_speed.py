@@ -29,7 +29,8 @@ model are solved with :func:`planner.solve.plan.solve_model` (``--jobs`` process
 :mod:`planner.solve.ngram_term`; ``--ngram-weight 0`` turns it off) when ``--full`` is given;
 otherwise the 58-layer time is estimated from the per-layer time and the job count.
 
-    python benchmarks/solve_speed.py [--occurrences 350000] [--methods ceo,metis,...] [--full]
+    python benchmarks/solve_speed.py [--occurrences 350000] [--methods ceo,metis,...] [--ep 8,32]
+        [--batches trace|domain|none] [--full] [--model-layers 58] [--jobs 2]
 """
 
 from __future__ import annotations
@@ -44,11 +45,24 @@ from pathlib import Path
 from queue import Empty
 
 import numpy as np
-from _common import peak_rss_mib, run  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from _common import (  # (benchmarks/ is on sys.path when run as a script)
+    ArgumentParser,
+    comma_list,
+    emit_json,
+    int_list,
+    nonnegative_int,
+    peak_rss_mib,
+    positive_int,
+    run,
+)
 from scipy import sparse
 
+from planner.errors import InputError
 from planner.solve.ceo import DEFAULT_EFFORT, model_layer_effort
+from planner.solve.ceo import VARIANTS as CEO_VARIANTS
 from planner.solve.ngram_term import DEFAULT_WEIGHT
+from planner.solve.problem import SolverConfig
+from planner.solve.registry import SOLVERS, check_method_options, get_solver
 
 TARGET_LAYER_S = 10.0
 TARGET_MODEL_S = 300.0
@@ -56,6 +70,20 @@ METHODS = ("ceo", "ceo:paper", "metis", "kmeans", "alternating", "vanilla")
 
 
 BATCH_ORDERS = ("trace", "domain", "none")
+
+
+def method_name(text: str) -> str:
+    """An argparse ``type``: one ``--methods`` entry, a registered solver or CEO with its
+    variant (``ceo:paper``), checked here, before any child process solves with it."""
+    name, colon, variant = text.partition(":")
+    try:
+        get_solver(name)
+    except InputError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if colon and (name != "ceo" or variant not in CEO_VARIANTS):
+        variants = ", ".join(f"ceo:{v}" for v in CEO_VARIANTS)
+        raise argparse.ArgumentTypeError(f"{text!r}: the solver variants are {variants}")
+    return text
 
 
 def synth_layer(occurrences: int, seed: int, batches: str = "trace"):
@@ -220,16 +248,17 @@ def whole_model(
             SolverConfig(seed=seed, options={"ceo": dict(ceo_options or {})}, expert_beta=expert_beta),
             jobs=jobs, progress=False, ngram_term=term,
         )  # fmt: skip
+        elapsed = time.perf_counter() - started
         seconds = [p.seconds for p in placements]
         ngram = [p.info["ngram_term"]["local_rate"] for p in placements if "ngram_term" in p.info]
         out.append({
             "layers": layers, "ep": ep, "jobs": jobs, "ngram_weight": ngram_weight,
             "batches": batches, "ceo_options": ceo_options or {}, "expert_beta": expert_beta,
-            "seconds": time.perf_counter() - started,
+            "seconds": elapsed,
             "layer_seconds_max": max(seconds), "layer_seconds_mean": float(np.mean(seconds)),
             "build_seconds": build_s, "mean_lar": float(np.mean([p.local_rate for p in placements])),
             "mean_ngram_fit_rate": float(np.mean(ngram)) if ngram else None,
-            "within_target": time.perf_counter() - started <= TARGET_MODEL_S,
+            "within_target": elapsed <= TARGET_MODEL_S,
         })  # fmt: skip
         print(f"model EP{ep}: {out[-1]['seconds']:.1f} s for {layers} layers with {jobs} jobs",
               file=sys.stderr)  # fmt: skip
@@ -237,33 +266,64 @@ def whole_model(
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--occurrences", type=int, default=350_000)
-    ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--ep", default="8,32")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--model-layers", type=int, default=58)
-    ap.add_argument("--full", action="store_true", help="solve the whole model (slow)")
+    ap = ArgumentParser(__doc__)
     ap.add_argument(
-        "--ngram-weight",
-        type=float,
-        default=DEFAULT_WEIGHT,
-        help="n-gram term of the whole-model solve (0: layers independent)",
+        "--occurrences", type=positive_int, default=350_000,
+        help="token occurrences of the layer (and of the --full model), at least 1 "
+        "(default 350000)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--methods", type=comma_list(method_name), default=list(METHODS),
+        help=f"comma-separated solvers, of {', '.join(SOLVERS)}, CEO's variant after a colon "
+        f"({', '.join('ceo:' + v for v in CEO_VARIANTS)}; default {','.join(METHODS)})",
+    )  # fmt: skip
+    ap.add_argument(
+        "--ep", type=int_list(least=1), default=[8, 32],
+        help="comma-separated EP sizes, each at least 1 (default 8,32)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--seed", type=nonnegative_int, default=0, help="instance and solver seed (default 0)"
     )
     ap.add_argument(
-        "--batches", choices=BATCH_ORDERS, default="trace", help="fitting batches (module doc)"
+        "--jobs", type=positive_int, default=2,
+        help="processes of the whole-model solve and of its estimate, at least 1 (default 2)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--model-layers", type=positive_int, default=58,
+        help="layers of the whole model (solved with --full, else estimated), at least 1 "
+        "(default 58)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--full", action="store_true", help="solve the whole model (slow; default: estimate it)"
     )
+    ap.add_argument(
+        "--ngram-weight", type=float, default=DEFAULT_WEIGHT,
+        help="n-gram term of the whole-model solve (0: layers independent; default "
+        f"{DEFAULT_WEIGHT:g})",
+    )  # fmt: skip
+    ap.add_argument(
+        "--batches", choices=BATCH_ORDERS, default="trace",
+        help="fitting batches: trace, domain or none (module doc; default trace)",
+    )  # fmt: skip
     ap.add_argument(
         "--ceo-options", type=json.loads, default=None,
-        help='CEO options as JSON for every CEO solve, e.g. \'{"expert_cap": "search"}\'',
+        help='CEO options as JSON for every CEO solve, e.g. \'{"expert_cap": "search"}\' '
+        "(default: none)",
     )  # fmt: skip
     ap.add_argument(
         "--expert-beta", type=float, default=None,
-        help="the expert-load cap of every solve but vanilla (SolverConfig.expert_beta)",
+        help="the expert-load cap of every solve but vanilla (SolverConfig.expert_beta; "
+        "default: none)",
     )  # fmt: skip
     args = ap.parse_args(argv)
-    eps = [int(e) for e in args.ep.split(",")]
+    eps = args.ep
+    # the solvers' settings, checked here: a child that fails prints its traceback
+    check_method_options({"ceo": args.ceo_options or {}})
+    SolverConfig(seed=args.seed, expert_beta=args.expert_beta)
+    if args.full:
+        from planner.solve.pipeline import PlanConfig
+
+        PlanConfig(ep_size=eps[0], jobs=args.jobs, ngram_weight=args.ngram_weight)
     ids, w, a, batch_freq = synth_layer(args.occurrences, args.seed, args.batches)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -271,7 +331,7 @@ def main(argv=None) -> int:
         extra = {} if batch_freq is None else _csr_arrays("b_", batch_freq)
         np.savez(instance, freq=a, ids=ids, **_csr_arrays("", w), **extra)
         for ep in eps:
-            for method in args.methods.split(","):
+            for method in args.methods:
                 results.append(
                     run_child(method, instance, ep, args.seed, args.expert_beta, args.ceo_options)
                 )
@@ -304,7 +364,7 @@ def main(argv=None) -> int:
             args.ceo_options,
             args.expert_beta,
         )
-    print(json.dumps(report, indent=2))
+    emit_json(report)
     return 0
 
 
