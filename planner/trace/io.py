@@ -422,6 +422,17 @@ def trace_parts(path: str | Path) -> list[Path]:
     raise InputError(f"{p}: no such trace file or directory")
 
 
+def _names_counts_schema(raw: bytes) -> bool:
+    """Whether 'moeplan' metadata is a counts table's (``"schema": "counts"``), however its
+    JSON is spaced (a byte match missed compact JSON, which then 'lacked model'); metadata
+    that is not JSON is left to :meth:`TraceMeta.from_json` to refuse."""
+    try:
+        d = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return False
+    return isinstance(d, dict) and d.get("schema") == "counts"
+
+
 def _read_part_meta(part: Path) -> tuple[TraceMeta, pa.Schema, int]:
     try:
         pf = pq.ParquetFile(part)
@@ -430,11 +441,11 @@ def _read_part_meta(part: Path) -> tuple[TraceMeta, pa.Schema, int]:
     schema = pf.schema_arrow
     md = schema.metadata or {}
     if META_KEY not in md:
-        if b"schema" in md.get(META_KEY, b"") or {"layer", "expert", "count"} <= set(schema.names):
+        if {"layer", "expert", "count"} <= set(schema.names):
             raise SchemaError(f"{part}: this is a token-expert counts table, not a v1 trace")
         raise SchemaError(f"{part}: not a v1 trace (no 'moeplan' metadata in the Parquet schema)")
     raw = md[META_KEY]
-    if b'"schema": "counts"' in raw:
+    if _names_counts_schema(raw):
         raise SchemaError(f"{part}: this is a token-expert counts table, not a v1 trace")
     meta = TraceMeta.from_json(raw, where=str(part))
     check_arrow_schema(schema, meta, str(part))

@@ -99,6 +99,21 @@ def test_counts_table_is_not_a_trace():
         open_trace(require(OLMOE_COUNTS))
 
 
+@pytest.mark.parametrize("separators", [(", ", ": "), (",", ":")])
+def test_counts_metadata_is_named_however_its_json_is_spaced(tmp_path, separators):
+    """A counts table's metadata written as compact JSON was read as a trace's and refused
+    as one that 'lacks model' (a byte match looked for '"schema": "counts"')."""
+    meta = {"schema": "counts", "schema_version": 1, "num_layers": 1, "num_experts": 4,
+            "top_k": 2, "vocab_size": 10}  # fmt: skip
+    table = pa.table(
+        {"layer": [0], "token_id": [1], "expert": [2], "count": [3]},
+        metadata={b"moeplan": json.dumps(meta, separators=separators).encode()},
+    )
+    pq.write_table(table, tmp_path / "c.parquet")
+    with pytest.raises(SchemaError, match="this is a token-expert counts table, not a v1 trace"):
+        open_trace(tmp_path / "c.parquet")
+
+
 def test_parts_from_different_models(tmp_path, small_meta):
     d = tmp_path / "tr"
     TraceWriter(d, small_meta).write(random_batch(small_meta, 10))
