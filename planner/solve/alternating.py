@@ -21,7 +21,8 @@ Alternating optimisation between expert placement (tokens fixed) and token place
    expert profile to the activation profile of the tokens currently on d, weight
    ``w_token_token``); tokens are placed on these scores by the shared capacity assignment,
    which is what keeps the token load balanced.
-4. Repeat; the best placement by the true objective is kept. The final tokens come from the
+4. Repeat; the best placement by the objective net of what the runtime's per-batch cap
+   takes back (:func:`planner.solve.common.net_objective`, as every method chooses) is kept. The final tokens come from the
    shared assignment on the true gains (:func:`planner.solve.common.finish`).
 """
 
@@ -39,6 +40,7 @@ from planner.solve.common import (
     device_gains,
     expert_scores,
     finish,
+    improves,
     net_objective,
     place_experts,
 )
@@ -82,7 +84,7 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
         result = assign_for_problem(problem, combined, prices=prices, sweeps=10)
         t_new, prices = result.token_to_device, result.prices
         obj = net_objective(problem, gain, t_new)  # as CEO chooses (the batch cap netted)
-        if obj > best[0] * (1 + 1e-12):
+        if improves(obj, best[0]):
             best = (obj, x, t_new)
         if (t_new == t).all():
             t = t_new

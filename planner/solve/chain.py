@@ -84,6 +84,7 @@ from planner.solve.common import (
     device_gains,
     expert_scores,
     finish,
+    improves,
     net_objective,
     objective,
 )
@@ -164,7 +165,7 @@ def chain_polish(
                 t_new, token_new = t_old, token_kept
             before = parts.total(x_old, t_old)
             after = token_new + parts.context_value(x_new) + parts.forward_value(x_new)
-            if not after > before * (1 + 1e-12) + 1e-12:
+            if not improves(after, before):
                 continue
             moved = True
             x_all[layer], t_all[layer] = x_new, t_new

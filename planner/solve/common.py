@@ -224,6 +224,16 @@ class Evaluation:
     token_imbalance: float
 
 
+def improves(new: float, best: float, rel: float = 1e-12) -> bool:
+    """Whether objective ``new`` beats ``best`` by more than rounding: a margin relative to
+    ``|best|`` (at least ``rel``), so that it holds for the penalty mode's negative objectives
+    too (``best * (1 + rel)`` lies *below* a negative best, and accepted a worse value);
+    anything finite beats ``-inf``, the searches' start."""
+    if best == -math.inf:
+        return new > best
+    return new > best + rel * max(1.0, abs(best))
+
+
 def objective(problem: LayerProblem, gain: np.ndarray, token_to_device: np.ndarray) -> float:
     """The maximised objective (see :class:`LayerProblem`) for device gains ``gain`` [J, E]."""
     local = float(gain[np.arange(token_to_device.size), token_to_device].sum())

@@ -24,6 +24,7 @@ from planner.solve.common import (
     device_gains,
     expert_scores,
     finish,
+    improves,
     net_objective,
     objective,
     place_experts,
@@ -112,7 +113,7 @@ def polish(
             obj_keep = objective(problem, gain_new, t)
             if obj_keep > obj_new:
                 t_new, obj_new = t, obj_keep
-            if obj_new > best * (1 + 1e-12) + 1e-12:
+            if improves(obj_new, best):
                 x, t, gain, best, prices = x_new, t_new, gain_new, obj_new, result.prices
                 improved = True
                 break

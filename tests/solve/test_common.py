@@ -85,3 +85,18 @@ def test_balanced_sampling_fills_every_device_exactly() -> None:
     labels = sample_balanced(rng, prob, 20, np.ones(12), 3.0)
     for row in labels:
         assert np.bincount(row, minlength=4).tolist() == [3, 3, 3, 3]
+
+
+def test_improves_by_a_margin_relative_to_the_best_either_sign():
+    """alternating kept a new best where obj > best * (1 + 1e-12): below a negative best
+    (the penalty mode's objectives) that accepted a slightly worse placement; polish and
+    the chain polish added an absolute 1e-12 that did not make up for it below -1."""
+    assert common.improves(1.0, -np.inf) and common.improves(-5.0, -np.inf)
+    for best in (-1000.0, -1.0, -0.5, 0.0, 0.5, 1000.0):
+        assert not common.improves(best, best)
+        slightly_worse = best - 1e-13 * max(1.0, abs(best))
+        assert not common.improves(slightly_worse, best), best
+        assert common.improves(best + 1e-9 * max(1.0, abs(best)), best), best
+    # the old alternating rule took -1000.0000000001 over -1000
+    assert -1000.0000000001 > -1000.0 * (1 + 1e-12)
+    assert not common.improves(-1000.0000000001, -1000.0)
