@@ -153,6 +153,20 @@ def output_path(text: str) -> str:
     return text
 
 
+def add_gather_shape(parser: argparse.ArgumentParser) -> None:
+    """The row gather's shape options of ``rebatch_speed`` and ``rebatch_tune``: ``--tokens``
+    T, ``--hidden`` H and ``--ep`` E (16384 x 4096 rows over 8 devices by default)."""
+    parser.add_argument(
+        "--tokens", type=positive_int, default=16384, help="rows T, at least 1 (default 16384)"
+    )
+    parser.add_argument(
+        "--hidden", type=positive_int, default=4096, help="row width H, at least 1 (default 4096)"
+    )
+    parser.add_argument(
+        "--ep", type=positive_int, default=8, help="EP size (devices), at least 1 (default 8)"
+    )
+
+
 def gather_bytes(read_rows: int, written_rows: int, hidden: int, element_size: int) -> int:
     """Bytes a row gather moves, read plus written: the source rows it reads, the rows it
     writes (padding rows are written but not read) and its int64 index, one entry per

@@ -24,6 +24,7 @@ import time
 import torch
 from _common import (  # (benchmarks/ is on sys.path when run as a script)
     ArgumentParser,
+    add_gather_shape,
     choice_list,
     emit_json,
     gather_bytes,
@@ -132,15 +133,7 @@ def gpu_case(tokens: int, hidden: int, ep: int, dtype: torch.dtype, repeats: int
 
 def main() -> None:
     p = ArgumentParser(__doc__)
-    p.add_argument(
-        "--tokens", type=positive_int, default=16384, help="rows T, at least 1 (default 16384)"
-    )
-    p.add_argument(
-        "--hidden", type=positive_int, default=4096, help="row width H, at least 1 (default 4096)"
-    )
-    p.add_argument(
-        "--ep", type=positive_int, default=8, help="EP size (devices), at least 1 (default 8)"
-    )
+    add_gather_shape(p)
     p.add_argument(
         "--repeats", type=positive_int, default=7,
         help="timed runs a measurement (median; 3x on CUDA), at least 1 (default 7)",

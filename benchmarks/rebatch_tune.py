@@ -23,10 +23,10 @@ import itertools
 import torch
 from _common import (  # (benchmarks/ is on sys.path when run as a script)
     ArgumentParser,
+    add_gather_shape,
     choice_list,
     emit_json,
     gather_bytes,
-    positive_int,
     run,
     time_cuda,
 )
@@ -40,15 +40,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 def main(argv=None) -> int:
     ap = ArgumentParser(__doc__)
-    ap.add_argument(
-        "--tokens", type=positive_int, default=16384, help="rows T, at least 1 (default 16384)"
-    )
-    ap.add_argument(
-        "--hidden", type=positive_int, default=4096, help="row width H, at least 1 (default 4096)"
-    )
-    ap.add_argument(
-        "--ep", type=positive_int, default=8, help="EP size (devices), at least 1 (default 8)"
-    )
+    add_gather_shape(ap)
     ap.add_argument(
         "--dtypes", type=choice_list(DTYPES), default=["bf16", "fp32"],
         help=f"comma-separated, of {', '.join(DTYPES)} (default bf16,fp32)",
