@@ -22,8 +22,9 @@ Alternating optimisation between expert placement (tokens fixed) and token place
    ``w_token_token``); tokens are placed on these scores by the shared capacity assignment,
    which is what keeps the token load balanced.
 4. Repeat; the best placement by the objective net of what the runtime's per-batch cap
-   takes back (:func:`planner.solve.common.net_objective`, as every method chooses) is kept. The final tokens come from the
-   shared assignment on the true gains (:func:`planner.solve.common.finish`).
+   takes back (:func:`planner.solve.common.net_objective`, as every method chooses) is
+   kept. The final tokens come from the shared assignment on the true gains
+   (:func:`planner.solve.common.finish`).
 """
 
 from __future__ import annotations

@@ -36,8 +36,8 @@ change has a switch, and ``benchmarks/solve_quality.py`` shows its effect. Besid
 switches below it draws 8 samples a round for 30 rounds (``samples``, ``iterations``),
 draws each sample's experts in a random order rather than index order, mixes ``explore``
 (0.02) of the uniform distribution into P every round so that no device's probability
-reaches 0, and adds the repaired mode of the final
-distribution to the candidates the polish considers:
+reaches 0, and adds the repaired mode of the final distribution to the candidates the
+polish considers:
 
 - ``assign_tokens``: only expert placements are sampled (N/E per device by construction);
   each is scored with its best tokens, the shared capacity assignment
