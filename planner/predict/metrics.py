@@ -22,7 +22,8 @@ with the routed set R (both of size k for a top-k prediction):
   data; summarised per layer by median and mean. A token always routed to the same k of
   N experts scores ``(1 - 3p(1-p)) / (p(1-p))`` with p = k/N (8.77 for 6 of 64).
 - distribution-only error rate (paper 004 §3.2.1): the fitted multinomial against the
-  held-out empirical load distribution; expert-load skewness = max / mean (held-out).
+  held-out empirical load distribution; expert-load skewness = max / mean of the pooled
+  held-out load (MoE-GPS averages it over batches of 512 tokens, which reads higher).
 - the n-gram device table of the contiguous placement on ``ep_size`` devices: held-out
   accuracy of the top-1 expert's device, and the local activation rate it alone gives
   (indicative: solve fits the table of its own placement).

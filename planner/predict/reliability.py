@@ -21,10 +21,14 @@ uninformative token gets). m = 0 trusts every token fully (the uncalibrated tabl
 m is estimated at fit time without any held-out data: the fitting requests are split in
 two folds (A and B, by request), and m is the grid value whose shrunk fold-A profiles
 best predict fold-B profiles (squared error, weighted by the token's fold-B occurrences,
-over tokens seen in both folds). Fold B is counted at 8 evenly spaced layers at most;
-the other layers take the nearest sampled layer's m. On the real FLAME-MoE prefill trace
-m is the largest grid value at every layer (a token's identity says little there beyond
-the layer average); on the example model it is 0.25-1 (tokens route consistently).
+over tokens seen in both folds). The average profile they are pulled towards is the
+layer's over both folds, as the plan's ``base`` is over all fitting data; fold B's share in
+it is a small leak of the data being predicted into the prediction (on the example an
+average of fold A alone gives the same m at every layer). Fold B is counted at 8 evenly
+spaced layers at most; the other layers take the nearest sampled layer's m. On the real
+FLAME-MoE prefill trace m is the largest grid value at every layer (a token's identity says
+little there beyond the layer average); on the example model it is 0.25-1 (tokens route
+consistently).
 """
 
 from __future__ import annotations
