@@ -21,14 +21,15 @@ uninformative token gets). m = 0 trusts every token fully (the uncalibrated tabl
 m is estimated at fit time without any held-out data: the fitting requests are split in
 two folds (A and B, by request), and m is the grid value whose shrunk fold-A profiles
 best predict fold-B profiles (squared error, weighted by the token's fold-B occurrences,
-over tokens seen in both folds). The average profile they are pulled towards is the
-layer's over both folds, as the plan's ``base`` is over all fitting data; fold B's share in
-it is a small leak of the data being predicted into the prediction (on the example an
-average of fold A alone gives the same m at every layer). Fold B is counted at 8 evenly
-spaced layers at most; the other layers take the nearest sampled layer's m. On the real
-FLAME-MoE prefill trace m is the largest grid value at every layer (a token's identity says
-little there beyond the layer average); on the example model it is 0.25-1 (tokens route
-consistently).
+over tokens seen in both folds). The average profile they are pulled towards is fold A's,
+as the plan's ``base`` comes from the data the plan was fitted on. (It was both folds'
+until 2026-11-29, which let fold B move the prior it was then predicted with. On the
+example m is the same either way; on FLAME-MoE, fitted whole, layer 0's m fell from 4096
+to 1024, and held out by request every method's plans moved: ``benchmarks/RESULTS.md``.)
+Fold B is counted at 8 evenly spaced layers at most; the other layers take the nearest
+sampled layer's m. On the real FLAME-MoE prefill trace m is at or near the top of the grid
+at every layer (1024-4096: a token's identity says little there beyond the layer
+average); on the example model it is 0.25-1 (tokens route consistently).
 """
 
 from __future__ import annotations
@@ -95,8 +96,10 @@ def estimate_shrinkage(
         both = np.flatnonzero((acts_a > 0) & (acts_b > 0))
         if both.size == 0:
             continue
-        total = np.asarray((a_cnt + b_cnt).sum(axis=0)).ravel()
-        mean = total / total.sum()  # the layer's average profile
+        # the layer's average profile, from fold A alone: with fold B in it, a heavy token
+        # seen only in fold B moved the prior that fold B then judged (m 8 -> 1)
+        total = np.asarray(a_cnt.sum(axis=0)).ravel()
+        mean = total / total.sum()
         pa = sparse.csr_array(sparse.diags_array(1.0 / acts_a[both]) @ a_cnt[both])
         pb = sparse.csr_array(sparse.diags_array(1.0 / acts_b[both]) @ b_cnt[both])
         mm = float(mean @ mean)

@@ -54,6 +54,34 @@ def test_consistent_tokens_are_trusted_and_random_ones_are_not():
     assert estimate_shrinkage([a], [b], 2).tolist() == [0.0]
 
 
+def test_tokens_seen_only_in_fold_b_do_not_move_the_prior():
+    """The prior (the layer's average profile) came from both folds, so a heavy token seen
+    only in fold B shifted the mean that fold B's tokens were then predicted with (m went
+    from 8 or 16 to 1 on such instances). It is fold A's now: such a token changes nothing."""
+    rng = np.random.default_rng(0)
+    v, n, k = 60, 8, 2
+    changed = 0
+    for _ in range(5):
+        own = np.stack([rng.choice(n, k, replace=False) for _ in range(v)])
+        p_consistent = rng.uniform(0.3, 0.9)
+
+        def counts(own=own, p_consistent=p_consistent) -> np.ndarray:
+            dense = np.zeros((v + 1, n))
+            for j in range(v):
+                for _ in range(rng.integers(1, 5)):
+                    ex = own[j] if rng.random() < p_consistent else rng.choice(n, k, replace=False)
+                    dense[j, ex] += 1
+            return dense
+
+        a, b = counts(), counts()
+        m = estimate_shrinkage([sparse.csr_array(a)], [sparse.csr_array(b)], k)
+        b[v, [0, 1]] = 2000  # row v: a heavy token fold A never saw
+        m_heavy = estimate_shrinkage([sparse.csr_array(a)], [sparse.csr_array(b)], k)
+        assert m_heavy.tolist() == m.tolist()
+        changed += m.tolist() != [0.0]
+    assert changed  # the instances calibrate something
+
+
 def test_shrink_confidence_formula():
     conf = np.array([0.9, 0.9, 0.9, 0.7])
     base = np.array([0.25, 0.25, 0.25, 0.5])
