@@ -41,6 +41,7 @@ from planner.runtime_shim._data import (
     as_tensor,
     bit_view,
     holds_integers,
+    out_of_range,
     overlaps,
     overlaps_itself,
     require_tensor,
@@ -144,11 +145,9 @@ class RebatchInfo:
             ("slot_to_token", slots, -1, self.num_tokens),  # -1: a padding slot
             ("token_to_slot", tokens, 0, self.padded_rows),
         ):
-            if index.numel():
-                lo, hi = torch.stack(index.aminmax()).tolist()
-                if lo < least or hi >= rows:
-                    bad = lo if lo < least else hi
-                    raise InputError(f"RebatchInfo.{name} holds {bad}, outside [{least}, {rows})")
+            bad = out_of_range(index, least, rows)
+            if bad is not None:
+                raise InputError(f"RebatchInfo.{name} holds {bad}, outside [{least}, {rows})")
         if (counts < 0).any() or int(counts.sum()) != self.num_tokens:
             raise InputError(
                 f"RebatchInfo.counts {counts.tolist()} must be >= 0 and sum to the "
