@@ -167,6 +167,14 @@ def add_gather_shape(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_out_option(parser: argparse.ArgumentParser) -> None:
+    """``--out FILE``: also write the report's JSON there, its folder checked before any work
+    (:func:`output_path`)."""
+    parser.add_argument(
+        "--out", type=output_path, default=None, help="also write the JSON here (default: no)"
+    )
+
+
 def gather_bytes(read_rows: int, written_rows: int, hidden: int, element_size: int) -> int:
     """Bytes a row gather moves, read plus written: the source rows it reads, the rows it
     writes (padding rows are written but not read) and its int64 index, one entry per

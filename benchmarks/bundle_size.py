@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from _common import (  # (benchmarks/ is on sys.path when run as a script)
     ArgumentParser,
+    add_out_option,
     emit_json,
-    output_path,
     positive_int,
     run,
 )
@@ -128,7 +128,7 @@ def main() -> None:
         "--repeats", type=positive_int, default=3,
         help="time each step this many times and report the best, at least 1 (default 3)",
     )  # fmt: skip
-    parser.add_argument("--out", type=output_path, help="also write the JSON here (default: no)")
+    add_out_option(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:

@@ -63,11 +63,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from _common import (  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
     ArgumentParser,
+    add_out_option,
     choice_list,
     emit_json,
     int_list,
     nonnegative_int,
-    output_path,
     positive_int,
     run,
 )
@@ -297,9 +297,7 @@ def main(argv=None) -> int:
         help="end METIS, k-means and alternating with CEO's local search (PlanConfig.polish; "
         "default: off)",
     )
-    ap.add_argument(
-        "--out", type=output_path, default=None, help="also write the JSON here (default: no)"
-    )
+    add_out_option(ap)
     args = ap.parse_args(argv)
     # the settings of every case, checked before any trace is made or split
     check_fraction(args.holdout)

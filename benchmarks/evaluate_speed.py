@@ -28,9 +28,9 @@ from pathlib import Path
 
 from _common import (  # (benchmarks/ is on sys.path when run as a script)
     ArgumentParser,
+    add_out_option,
     emit_json,
     int_list,
-    output_path,
     peak_rss_mib,
     run,
 )
@@ -79,7 +79,7 @@ def main() -> None:
         help="comma-separated held-out lengths in tokens, each at least 1, measured in "
         "ascending order (default 250000,1000000)",
     )  # fmt: skip
-    ap.add_argument("--out", type=output_path, help="also write the JSON here (default: no)")
+    add_out_option(ap)
     ap.add_argument("--child", nargs=2, metavar=("HELD_OUT", "BUNDLE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

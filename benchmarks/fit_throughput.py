@@ -47,9 +47,9 @@ from pathlib import Path
 
 from _common import (  # (benchmarks/ is on sys.path when run as a script)
     ArgumentParser,
+    add_out_option,
     emit_json,
     int_list,
-    output_path,
     peak_rss_mib,
     positive_int,
     run,
@@ -194,7 +194,7 @@ def main() -> None:
         help="comma-separated token counts, each at least 2: measure the fit's peak memory at "
         "each instead (module doc; default: off)",
     )  # fmt: skip
-    ap.add_argument("--out", type=output_path, help="also write the JSON here (default: no)")
+    add_out_option(ap)
     ap.add_argument("--child", choices=["fit", "accumulate"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

@@ -43,12 +43,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from _common import (  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
     ArgumentParser,
+    add_out_option,
     choice_list,
     emit_json,
     float_list,
     int_list,
     nonnegative_int,
-    output_path,
     run,
 )
 from compare_traces import SOURCES, source_trace  # noqa: E402
@@ -165,9 +165,7 @@ def main(argv=None) -> dict:
         "--chain-passes", type=nonnegative_int, default=0,
         help="chain polish sweeps on every plan (default 0: none)",
     )  # fmt: skip
-    ap.add_argument(
-        "--out", type=output_path, default=None, help="also write the JSON here (default: no)"
-    )
+    add_out_option(ap)
     ap.add_argument(
         "--plot", default=None,
         help="draw the trade-off to this .png/.svg/.pdf (default: no plot)",

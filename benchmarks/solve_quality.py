@@ -46,10 +46,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from _common import (  # (benchmarks/ is on sys.path when run as a script)
     ArgumentParser,
+    add_out_option,
     choice_list,
     emit_json,
     nonnegative_int,
-    output_path,
     run,
 )
 from scipy import sparse
@@ -350,9 +350,7 @@ def main(argv=None) -> int:
         help=f"comma-separated, of {', '.join(SECTIONS)} (lodo: leave one domain out; "
         "default thin,cross,ilp)",
     )  # fmt: skip
-    ap.add_argument(
-        "--out", type=output_path, default=None, help="also write the JSON here (default: no)"
-    )
+    add_out_option(ap)
     args = ap.parse_args(argv)
     sections = set(args.sections)
     started = time.perf_counter()
