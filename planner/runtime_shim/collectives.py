@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from planner.errors import InputError, MismatchError
-from planner.runtime_shim._data import as_tensor, bit_view, require_tensor
+from planner.runtime_shim._data import as_tensor, require_tensor
 from planner.runtime_shim.rebatch import (
     Backend,
     RebatchInfo,
@@ -151,10 +151,10 @@ def shuffled_reduce_scatter(
         )
     if verify_devices:
         _verify_same_devices(devices, group)
-    if _is_fp8(x) and _backend_for(x, group) == "gloo":
+    if x.dtype not in _GLOO_DTYPES and _backend_for(x, group) == "gloo":
         raise InputError(
-            f"gloo cannot sum {x.dtype} rows (it has no fp8); reduce the partial sums in "
-            "bf16 or fp32 and cast after"
+            f"gloo cannot sum {x.dtype} rows; reduce the partial sums in bf16 or fp32 (or "
+            "int32, int64) and cast after"
         )
     info = plan_rebatch(devices, world, chunk_rows)
     c = info.chunk_rows
@@ -195,16 +195,18 @@ def _backend_for(x: torch.Tensor, group) -> str:
     return name
 
 
-def _is_fp8(x: torch.Tensor) -> bool:
-    """A one-byte float format, which gloo can neither sum nor send."""
-    return x.is_floating_point() and x.element_size() == 1
+# The dtypes gloo sums and sends; it has no fp8, int16, uint16, uint32 or uint64.
+_GLOO_DTYPES = frozenset(
+    {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+     torch.int32, torch.int64, torch.bool}
+)  # fmt: skip
 
 
 def _wire(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as the all-gather sends it: fp8 as its bytes (:func:`bit_view`: the gather moves
-    rows, not sums, so that is exact), every other dtype as it is (gloo has no int16, so
-    wider floats keep their own dtype)."""
-    return bit_view(x) if _is_fp8(x) else x
+    """``x`` (contiguous rows) as the all-gather sends it: a dtype gloo has as it is, any
+    other (fp8, int16, the wide unsigned) as its bytes, [R, H * size] uint8 (the gather
+    moves rows, not sums, so that is exact on every backend)."""
+    return x if x.dtype in _GLOO_DTYPES else x.view(torch.uint8)
 
 
 def shuffled_all_gather(

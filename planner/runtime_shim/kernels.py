@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from planner._checks import is_integer
 from planner.errors import InputError
 from planner.runtime_shim._data import (
     bit_view,
@@ -79,6 +80,10 @@ if HAS_TRITON:
         tl.store(out_ptr + out_offsets, values, mask=row_ok[:, None] & col_ok[None, :])
 
 
+def _power_of_two(n: object) -> bool:
+    return is_integer(n) and n > 0 and not n & (n - 1)  # type: ignore[operator]
+
+
 def launch_tile(
     hidden: int, block_rows: int | None = None, block_cols: int | None = None
 ) -> tuple[int, int]:
@@ -87,12 +92,12 @@ def launch_tile(
     :data:`DEFAULT_BLOCK_COLS`, :data:`DEFAULT_BLOCK_ELEMS` elements a program)."""
     if block_cols is None:
         block_cols = min(DEFAULT_BLOCK_COLS, 1 << (hidden - 1).bit_length())  # next power of 2
-    if block_cols <= 0 or block_cols & (block_cols - 1):
-        raise InputError(f"block_cols must be a power of two, got {block_cols}")
+    if not _power_of_two(block_cols):
+        raise InputError(f"block_cols must be a power of two, got {block_cols!r}")
     if block_rows is None:
         block_rows = max(1, DEFAULT_BLOCK_ELEMS // block_cols)
-    if block_rows <= 0 or block_rows & (block_rows - 1):
-        raise InputError(f"block_rows must be a power of two, got {block_rows}")
+    if not _power_of_two(block_rows):
+        raise InputError(f"block_rows must be a power of two, got {block_rows!r}")
     return block_rows, block_cols
 
 

@@ -235,9 +235,18 @@ def plan_rebatch(devices: torch.Tensor, ep_size: int, chunk_rows: int | None = N
     slot_of_sorted = sorted_devices * chunk_rows + rank_in_group
 
     token_to_slot = torch.empty_like(devices).scatter_(0, order, slot_of_sorted)
-    slot_to_token = torch.full(
-        (ep_size * chunk_rows,), -1, dtype=torch.int64, device=devices.device
-    ).scatter_(0, slot_of_sorted, order)
+    try:
+        slot_to_token = torch.full(
+            (ep_size * chunk_rows,), -1, dtype=torch.int64, device=devices.device
+        )
+    except RuntimeError as e:  # torch.OutOfMemoryError on CUDA, the allocator's on CPU
+        if "memory" not in str(e).lower():
+            raise
+        raise InputError(
+            f"chunk_rows={chunk_rows} is too large: the {ep_size} x {chunk_rows} slot map "
+            f"({8 * ep_size * chunk_rows} bytes) does not fit in {devices.device} memory"
+        ) from None
+    slot_to_token.scatter_(0, slot_of_sorted, order)
     return RebatchInfo(slot_to_token, token_to_slot, counts, chunk_rows, planned=True)
 
 

@@ -30,6 +30,7 @@ from planner._checks import is_integer
 from planner.errors import InputError, MismatchError
 from planner.runtime_shim._data import require_data
 from planner.trace.io import Trace, open_trace
+from planner.trace.schema import layer_indices_mismatch
 
 Weighting = Literal["confidence", "count"]
 LayerSpec = int | Sequence[int] | None
@@ -308,6 +309,15 @@ def _workload_from_trace(
             f"the tables were planned for another model (fingerprint {planned}) than the "
             f"trace's {meta.model!r} (fingerprint {meta.fingerprint()}: name, L, N, k, V)"
         )
+    # the fingerprint leaves the model layers out (TraceMeta.layer_mismatch); a bundle's
+    # manifest records them
+    layers = manifest.get("moe_layer_indices") if isinstance(manifest, dict) else None
+    if isinstance(layers, list) and (
+        differ := layer_indices_mismatch(
+            layers, meta.moe_layer_indices, ("the tables", "the trace")
+        )
+    ):
+        raise MismatchError(f"{differ}; use tables planned for this model")
     e = scorer.ep
     expert_to_device = _np(tables.expert_to_device, "tables.expert_to_device").astype(
         np.int64

@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -34,6 +35,27 @@ REQUIRED_COLUMNS = ("request_id", "position", "token_id", "experts", "weights")
 # How a model fitted from a counts table names its source (TraceMeta.source): its layers
 # are those the table counted, perhaps not all the model's MoE layers (planner.export.engines).
 COUNTS_SOURCE = "counts table"
+
+
+def layer_indices_mismatch(
+    mine: Sequence[int], theirs: Sequence[int], names: tuple[str, str] = ("one", "the other")
+) -> str | None:
+    """Where two artifacts' ``moe_layer_indices`` differ, in words; else None.
+
+    ``names`` name the artifacts of ``mine`` and ``theirs`` in the words.
+    """
+    mine, theirs = [int(i) for i in mine], [int(i) for i in theirs]
+    if mine == theirs:
+        return None
+    first = next(
+        (i for i, (x, y) in enumerate(zip(mine, theirs, strict=False)) if x != y),
+        min(len(mine), len(theirs)),
+    )
+    return (
+        f"MoE layer {first} is model layer "
+        f"{mine[first] if first < len(mine) else 'none'} in {names[0]} and "
+        f"{theirs[first] if first < len(theirs) else 'none'} in {names[1]}"
+    )
 
 
 @dataclass(frozen=True)
@@ -133,18 +155,7 @@ class TraceMeta:
         The fingerprint leaves ``moe_layer_indices`` out (artifacts made before it was
         checked keep theirs), so data of the same shapes from other layers is caught here.
         """
-        mine, theirs = self.moe_layer_indices, other.moe_layer_indices
-        if mine == theirs:
-            return None
-        first = next(
-            (i for i, (x, y) in enumerate(zip(mine, theirs, strict=False)) if x != y),
-            min(len(mine), len(theirs)),
-        )
-        return (
-            f"MoE layer {first} is model layer "
-            f"{mine[first] if first < len(mine) else 'none'} in {names[0]} and "
-            f"{theirs[first] if first < len(theirs) else 'none'} in {names[1]}"
-        )
+        return layer_indices_mismatch(self.moe_layer_indices, other.moe_layer_indices, names)
 
     def to_json(self) -> str:
         d = dataclasses.asdict(self)

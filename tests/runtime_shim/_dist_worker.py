@@ -107,36 +107,37 @@ def check_mismatch(rank: int) -> None:
         raise AssertionError(f"verify_devices=True did not raise MismatchError for {devices}")
 
 
-def check_sag_fp8(rank: int) -> None:
-    """SAG is pure data movement, so fp8 chunks (fp8 combine) gather bit for bit."""
-    from planner.runtime_shim.collectives import shuffled_all_gather
+def check_sag_as_bytes(rank: int) -> None:
+    """SAG is pure data movement, so chunks of a dtype gloo lacks (fp8 combine, int16, the
+    wide unsigned) gather bit for bit, as bytes; SRS, which sums, refuses them on gloo."""
+    from planner.errors import InputError
+    from planner.runtime_shim.collectives import shuffled_all_gather, shuffled_reduce_scatter
     from planner.runtime_shim.rebatch import plan_rebatch
 
     devices = [0, 2, 2, 1, 3, 0, 2, 1, 1, 0, 3]
     info = plan_rebatch(torch.tensor(devices), WORLD)
-    g = torch.Generator().manual_seed(40 + rank)
-    local = torch.randn((info.chunk_rows, 5), generator=g).to(torch.float8_e4m3fn)
-    bits = local.view(torch.uint8)
-    parts = [torch.empty_like(bits) for _ in range(WORLD)]
-    dist.all_gather(parts, bits)
-    seen = [0] * WORLD
-    want = torch.empty((len(devices), 5), dtype=torch.uint8)
-    for t, d in enumerate(devices):
-        want[t] = parts[d][seen[d]]
-        seen[d] += 1
-    got = shuffled_all_gather(local, info)
-    assert got.dtype == torch.float8_e4m3fn, got.dtype
-    assert torch.equal(got.view(torch.uint8), want), f"fp8 SAG rows differ on rank {rank}"
-    # the reduce-scatter sums, which gloo cannot do in fp8: one line, before any collective
-    from planner.errors import InputError
-    from planner.runtime_shim.collectives import shuffled_reduce_scatter
-
-    try:
-        shuffled_reduce_scatter(local[:3], torch.tensor([0, 1, 2]))
-    except InputError as e:
-        assert "gloo cannot sum" in str(e), e
-    else:
-        raise AssertionError("fp8 reduce-scatter on gloo: no InputError")
+    for dtype in (torch.float8_e4m3fn, torch.int16, torch.uint16, torch.uint32, torch.uint64):
+        g = torch.Generator().manual_seed(40 + rank)
+        local = (torch.randn((info.chunk_rows, 5), generator=g) * 100).to(dtype)
+        bits = local.view(torch.uint8)  # [C, 5 * size]
+        parts = [torch.empty_like(bits) for _ in range(WORLD)]
+        dist.all_gather(parts, bits)
+        seen = [0] * WORLD
+        want = torch.empty((len(devices), bits.shape[1]), dtype=torch.uint8)
+        for t, d in enumerate(devices):
+            want[t] = parts[d][seen[d]]
+            seen[d] += 1
+        got = shuffled_all_gather(local, info)
+        assert got.dtype == dtype, (got.dtype, dtype)
+        assert torch.equal(got.view(torch.uint8), want), f"{dtype} SAG rows differ on rank {rank}"
+        # the reduce-scatter sums, which gloo cannot do in these: one line, before any
+        # collective
+        try:
+            shuffled_reduce_scatter(local[:3], torch.tensor([0, 1, 2]))
+        except InputError as e:
+            assert f"gloo cannot sum {dtype} rows" in str(e), e
+        else:
+            raise AssertionError(f"{dtype} reduce-scatter on gloo: no InputError")
 
 
 def run_rank(rank: int, port: int, out_dir: str) -> None:
@@ -151,7 +152,7 @@ def run_rank(rank: int, port: int, out_dir: str) -> None:
     results: dict[str, str] = {}
     checks = [(name, lambda n=name: check_case(n, rank)) for name in CASES]
     checks.append(("verify_devices_mismatch", lambda: check_mismatch(rank)))
-    checks.append(("sag_fp8", lambda: check_sag_fp8(rank)))
+    checks.append(("sag_as_bytes", lambda: check_sag_as_bytes(rank)))
     for name, fn in checks:
         try:
             fn()

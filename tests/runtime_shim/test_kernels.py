@@ -57,6 +57,18 @@ def test_kernel_refuses_cpu_tensors_when_compiled():
         kernels.gather_rows(torch.zeros(3, 2), torch.tensor([0, 1]))
 
 
+@pytest.mark.parametrize(
+    ("rows", "cols", "bad"),
+    [(None, 6, "block_cols"), (None, 2.0, "block_cols"), (2.0, None, "block_rows"),
+     (True, None, "block_rows"), (0, None, "block_rows")],
+)  # fmt: skip
+def test_launch_tile_refuses_what_is_not_a_power_of_two(rows, cols, bad):
+    with pytest.raises(InputError, match=f"^{bad} must be a power of two, got "):
+        kernels.launch_tile(100, block_rows=rows, block_cols=cols)
+    assert kernels.launch_tile(100) == (kernels.DEFAULT_BLOCK_ELEMS // 128, 128)
+    assert kernels.launch_tile(100, 4, 8) == (4, 8)
+
+
 def test_explicit_triton_backend_on_cpu_is_an_input_error():
     if kernels.INTERPRETED:
         pytest.skip("CPU tensors are allowed under the interpreter")

@@ -282,6 +282,9 @@ def test_chunk_rows_beyond_int64_is_an_input_error():
     for chunk in (2**62, 2**70):
         with pytest.raises(InputError, match="chunk_rows=.* is too large"):
             plan_rebatch(torch.tensor([0]), 4, chunk)
+    # within int64 but past any memory (1.6 TB of slot map): the allocator's RuntimeError
+    with pytest.raises(InputError, match=r"chunk_rows=10+ is too large: .* does not fit in cpu"):
+        plan_rebatch(torch.tensor([0, 1]), 2, 10**11)
 
 
 def test_out_must_be_a_tensor():

@@ -125,6 +125,13 @@ def test_report_on_a_trace_measures_realised_lar(tmp_path):
     tables = dataclasses.replace(split_tables(), manifest={"fingerprint": other})
     with pytest.raises(MismatchError, match="planned for another model"):
         evaluate_schedule(path, tables, dp_size=2, batch_rows=3)
+    # The same model's tables from other model layers (the fingerprint leaves them out).
+    manifest = {"fingerprint": meta.fingerprint(), "moe_layer_indices": [3]}
+    tables = dataclasses.replace(split_tables(), manifest=manifest)
+    with pytest.raises(MismatchError, match="MoE layer 0 is model layer 3 in the tables and 0"):
+        evaluate_schedule(path, tables, dp_size=2, batch_rows=3)
+    manifest["moe_layer_indices"] = [0]
+    assert evaluate_schedule(path, tables, dp_size=2, batch_rows=3).lar == pytest.approx(0.95)
 
 
 def test_errors():
