@@ -391,7 +391,10 @@ class TokenExpertAffinity:
         occ = np.bincount(rows, weights=data, minlength=v) / k
         share = data / np.maximum(occ[rows], 1e-300)
         confident = rows[share >= self.confident_threshold]
-        global_share = load / max(float(occ.sum()), 1.0)
+        # the fallback's share follows every routed activation, the unknown tokens' too, as
+        # the fallback's ranking of experts does (each unknown occurrence routes k)
+        unknown = self.unknown_load_[layer]
+        global_share = (load + unknown) / max(float(occ.sum() + unknown.sum() / k), 1.0)
         return _LayerTables(
             topk=topk.astype(np.int16),
             top1=top1.astype(np.int16),

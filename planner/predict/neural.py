@@ -15,8 +15,9 @@ seed gives the same predictor on any machine; an optional wall-clock budget stop
 
 At inference the first layer is folded into a [V, 128] feature table (its input is fixed
 per token), so a prediction is a gather, one 128x128 layer and the heads. A token the
-predictor never trained on keeps its initial (near-zero) own embedding and so gets a
-near-average prediction; with model embeddings it gets the network's genuine guess.
+predictor never trained on reads a zero input (the unknown token's row), and so gets the
+network's answer for no token in particular; with model embeddings it gets the network's
+genuine guess.
 """
 
 from __future__ import annotations

@@ -480,3 +480,11 @@ def test_the_fallback_ranks_experts_by_the_unknown_tokens_routing_too(tmp_path):
     result.predictor.save(tmp_path / "p")
     back = load_predictor(tmp_path / "p").affinity
     assert back.global_topk_.tolist() == [[6, 7], [6, 7]] and back.global_top1_.tolist() == [6, 6]
+    # The confident set of a token with no row follows the same routing: its share of
+    # experts 6 and 7 was 0 (known tokens only), so the report's cP and cR read 0 where the
+    # top-k fallback's precision reads 1.
+    share = back.routed_share(np.array([-1]), np.array([[6, 7]]), 0)
+    np.testing.assert_allclose(share, [[196 / 200, 196 / 200]])
+    assert back.confident_size(np.array([-1, 10]), 0).tolist() == [2, 2]
+    confident = result.report["table_confident"]
+    assert confident["precision"]["overall"] == 1.0 and confident["recall"]["overall"] == 1.0
