@@ -197,7 +197,7 @@ def split(
 ) -> None:
     """Split a trace by request (a random share, or whole domains) into fitting and held-out traces."""
     from planner.errors import InputError
-    from planner.predict.split import split_trace, split_trace_by_domain
+    from planner.predict.split import format_domains, split_trace, split_trace_by_domain
 
     refuse_empty_paths(fit_out=fit_out, heldout_out=heldout_out)
     if (
@@ -219,7 +219,8 @@ def split(
             path, fit_out, heldout_out, heldout_domain.split(","), overwrite=force
         )
         console.print(
-            f"held out domain(s) {', '.join(s['heldout_domains'])} of {', '.join(s['domains'])}: "
+            f"held out domain(s) {format_domains(s['heldout_domains'])} of "
+            f"{format_domains(s['domains'])}: "
             f"{s['fit_requests']} requests ({s['fit_tokens']} tokens) -> {fit_out}, "
             f"{s['heldout_requests']} ({s['heldout_tokens']} tokens) -> {heldout_out}"
         )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,6 +206,12 @@ def _domain_names(batch, where: object) -> np.ndarray:
     return np.char.strip(values.astype(str))
 
 
+def format_domains(domains: Iterable[str]) -> str:
+    """Domains for a message, comma-separated; a request without a domain has the empty
+    one, shown as ''."""
+    return ", ".join(d if d else "''" for d in domains)
+
+
 def split_trace_by_domain(
     path: str | Path,
     fit_out: str | Path,
@@ -227,11 +234,11 @@ def split_trace_by_domain(
     if not wanted or unknown:
         raise InputError(
             f"{path}: no domain {', '.join(map(repr, unknown)) or 'given'} to hold out; "
-            f"the trace's domains are {', '.join(available)}"
+            f"the trace's domains are {format_domains(available)}"
         )
     if len(wanted) == len(available):
         raise InputError(
-            f"{path}: holding out every domain ({', '.join(available)}) leaves nothing to fit on"
+            f"{path}: holding out every domain ({format_domains(available)}) leaves nothing to fit on"
         )
     held = np.array(wanted)
     counts = _write_sides(

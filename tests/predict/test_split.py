@@ -155,6 +155,28 @@ def test_a_domain_named_with_surrounding_spaces_can_be_held_out(tmp_path, exact_
         assert s["heldout_domains"] == ["1"] and s["heldout_tokens"] > 0 and s["fit_tokens"] > 0
 
 
+def test_requests_without_a_domain_are_named_in_messages(tmp_path, exact_trace):
+    # a prompt file where some prompts carry no domain records '' for them; messages listed
+    # the domains as "the trace's domains are , 1", a blank name
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from planner.predict.split import format_domains, split_trace_by_domain
+    from planner.trace import open_trace
+
+    path, _ = exact_trace
+    table = pq.read_table(open_trace(path).parts[0])
+    domain = np.asarray(table.column("domain")).astype(str)
+    column = pa.array(np.where(domain == "0", "", domain).tolist())  # domain 0 -> none
+    blank = table.set_column(table.column_names.index("domain"), "domain", column)
+    pq.write_table(blank.replace_schema_metadata(table.schema.metadata), tmp_path / "b.parquet")
+    assert format_domains(["", "1"]) == "'', 1"
+    with pytest.raises(
+        InputError, match=r"no domain 'x' to hold out; the trace's domains are '', 1$"
+    ):
+        split_trace_by_domain(tmp_path / "b.parquet", tmp_path / "f", tmp_path / "h", ["x"])
+
+
 def test_split_by_domain_needs_a_domain_column(tmp_path):
     from planner.predict.split import split_trace_by_domain
     from planner.trace import TraceMeta

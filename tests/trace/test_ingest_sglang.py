@@ -162,6 +162,12 @@ def test_refusals_are_one_line_errors(tmp_path, dump_dir):
     bad = dict(good, records=[dict(good["records"][0], topk_ids_of_layer=topk)])
     with pytest.raises(SchemaError, match="expert id -7 outside the map's 8 slots"):
         convert_sglang([_save(tmp_path / "n.pt", bad)])
+    # Every id beyond the map, with more slots per token than logical experts: the ids are
+    # what is wrong (the count of logical experts was named instead).
+    topk = torch.full_like(topk, 99)
+    bad = dict(good, records=[dict(good["records"][0], topk_ids_of_layer=topk)])
+    with pytest.raises(SchemaError, match="expert id 99 outside the map's 8 slots"):
+        convert_sglang([_save(tmp_path / "all.pt", bad)])
     # A map that does not match the recording repeats a logical expert (slots 2i, 2i+1 -> i).
     p2l = torch.arange(8).repeat(4, 1) // 2
     bad = dict(good, last_physical_to_logical_map=p2l)
