@@ -426,16 +426,6 @@ def _routing_shape(records: list[dict], p2l: np.ndarray, where: Path) -> tuple[n
     return moe_layers, k
 
 
-def _check_physical_ids(rec: dict, phys: np.ndarray, num_physical: int) -> None:
-    """Refuse a record whose physical expert ids lie outside the map (-1 alone is padding)."""
-    if phys.size and (phys.max() >= num_physical or phys.min() < -1):
-        bad = int(phys.max()) if phys.max() >= num_physical else int(phys.min())
-        raise SchemaError(
-            f"sglang record (pass {rec['forward_pass_id']}, rank {rec['rank']}): physical "
-            f"expert id {bad} outside the map's {num_physical} slots (-1 marks padding)"
-        )
-
-
 def convert_sglang(
     dumps: Sequence[str | Path],
     *,
@@ -466,10 +456,6 @@ def convert_sglang(
     num_experts = int(layer_map.max()) + 1
     if layer_map.min() < 0:
         raise SchemaError(f"{files[0]}: physical_to_logical map holds negative logical ids")
-    for rec in kept:  # ids the map cannot read say more than a count of logical experts
-        _check_physical_ids(rec, rec["topk"][moe_layers][:, :, :k], num_physical)
-    if k > num_experts:
-        raise SchemaError(f"{files[0]}: {k} ids per token but only {num_experts} logical experts")
 
     rows_expert, rows_token, rows_pos, rows_req = [], [], [], []
     dropped = 0
@@ -477,6 +463,12 @@ def convert_sglang(
     big_l = moe_layers.size
     for rec in kept:
         phys = rec["topk"][moe_layers][:, :, :k].transpose(1, 0, 2)  # [T, L, k]
+        if phys.max() >= num_physical or phys.min() < -1:  # -1 alone marks padding
+            bad = int(phys.max()) if phys.max() >= num_physical else int(phys.min())
+            raise SchemaError(
+                f"sglang record (pass {rec['forward_pass_id']}, rank {rec['rank']}): physical "
+                f"expert id {bad} outside the map's {num_physical} slots (-1 marks padding)"
+            )
         starts = segment_starts(rec["positions"], rec["extend_seq_lens"], rec["forward_mode"])
         request = next_request + np.cumsum(starts) - 1
         next_request += int(starts.sum())
@@ -489,6 +481,9 @@ def convert_sglang(
         rows_pos.append(rec["positions"][ok])
         rows_req.append(request[ok])
 
+    # after the ids' own check: ids the map cannot read say more than a count of experts
+    if k > num_experts:
+        raise SchemaError(f"{files[0]}: {k} ids per token but only {num_experts} logical experts")
     experts = np.concatenate(rows_expert)
     if experts.shape[0] == 0:
         raise SchemaError(f"{files[0]}: every recorded token has a -1 (padding) expert id")
