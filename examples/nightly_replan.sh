@@ -97,14 +97,26 @@ if [ "$status" -eq 1 ] || [ "$verdict" != "better" ]; then
   echo "kept $deployed: $summary"
   exit 0
 fi
-incoming="$deployed.incoming"
-rm -rf "$incoming"
-cp -r "$work/bundle" "$incoming"  # beside the deployed bundle: the renames stay on one disk
-rm -rf "$deployed.previous"
+# the new bundle is copied beside the deployed one (the renames stay on one disk), under a
+# name of its own (a fixed one could be a user's), removed again if the run stops before it
+# is in place
+incoming=$(mktemp -d "$deployed.incoming.XXXXXX") ||
+  fail "cannot make a directory beside $deployed; it is as it was"
+trap 'rm -rf -- "$incoming"' EXIT
+cp -r -- "$work/bundle/." "$incoming/" ||
+  fail "could not copy the new bundle beside $deployed (disk full?); $deployed is as it was"
+chmod --reference="$work/bundle" "$incoming"  # mktemp made it private
 # One step where the system can swap two directories (Linux renameat2 RENAME_EXCHANGE, via
 # planner._io.exchange_paths): a reader never finds no bundle. Elsewhere two renames.
-swap='import sys; from planner._io import exchange_paths; sys.exit(0 if exchange_paths(*sys.argv[1:]) else 1)'
-if "$python" -c "$swap" "$incoming" "$deployed" 2> /dev/null; then
+swap='import sys; from planner._io import exchange_paths; sys.exit(0 if exchange_paths(*sys.argv[1:]) else 3)'
+swapped=0
+"$python" -c "$swap" "$incoming" "$deployed" 2> /dev/null || swapped=$?
+if [ "$swapped" -ne 0 ] && [ "$swapped" -ne 3 ]; then
+  echo "note: $python cannot import planner (set PYTHON to moeplan's python); two renames" >&2
+fi
+rm -rf "$deployed.previous"
+if [ "$swapped" -eq 0 ]; then
+  trap - EXIT  # $incoming holds the previous bundle now
   how="swapped in one step"
   mv "$incoming" "$deployed.previous" ||
     fail "rolled out to $deployed, but the previous bundle stays at $incoming: $summary"
@@ -115,5 +127,6 @@ else
     mv "$deployed.previous" "$deployed"
     fail "could not move the new bundle into place; $deployed is as it was"
   fi
+  trap - EXIT
 fi
 echo "rolled out to $deployed ($how; the previous bundle is $deployed.previous): $summary"

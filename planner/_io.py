@@ -66,7 +66,19 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
     tmp.unlink()
     written = False
     try:
-        yield tmp
+        try:
+            yield tmp
+        except OSError as e:
+            if e.filename is not None:  # the message names its path already
+                raise
+            # a write that failed (a full disk): "[Errno 28] No space left on device" alone
+            # did not say which output
+            why = e.strerror or str(e)
+            raise (
+                OSError(e.errno, f"{why} (writing {dest})")
+                if e.errno
+                else OSError(f"{why} (writing {dest})")
+            ) from e
         _default_file_modes(tmp)
         if dest.is_dir() and not dest.is_symlink():
             if not tmp.is_dir():
@@ -187,8 +199,9 @@ def check_output(
     file does not wipe the prompts). Either kind refuses one of the command's ``inputs``, a
     directory holding one (replacing it would delete the input while the command reads it)
     and a path inside one (replacing the input later would delete the output). So a
-    mistyped output path deletes nothing; nor is anything read-only replaced (its mode says
-    it is to be kept, even to root). A path under an existing file, and a directory
+    mistyped output path deletes nothing; nor is a read-only output replaced (its own mode
+    says it is to be kept, even to root; the files inside a directory artifact are the
+    artifact's, and go with it). A path under an existing file, and a directory
     artifact's path that is a symbolic link, are refused too: the write would fail once the
     work is done.
     """

@@ -402,3 +402,24 @@ def test_a_mount_point_is_refused_before_the_work(tmp_path, monkeypatch):
     with pytest.raises(InputError, match="is a mount point, which cannot be replaced"):
         check_output(mounted, marker="plan.json", what="plan")
     assert check_output(mounted / "plan", marker="plan.json", what="plan") == mounted / "plan"
+
+
+def test_a_write_that_fails_names_its_output(tmp_path):
+    """A full disk said "[Errno 28] No space left on device" and nothing of which output;
+    the old file stays and the message names it (errors that name a path keep theirs)."""
+    kept = tmp_path / "plan.json"
+    kept.write_text("keep")
+    with (
+        pytest.raises(
+            OSError, match=r"^\[Errno 28\] No space left on device \(writing .*plan.json\)$"
+        ),
+        atomic_path(kept),
+    ):
+        raise OSError(28, "No space left on device")
+    detail = "Error writing bytes to file. Detail: [errno 28] No space left on device"
+    with pytest.raises(OSError, match=r"\(writing .*plan.json\)$"), atomic_path(kept):
+        raise OSError(detail)  # pyarrow's: no errno of its own
+    with pytest.raises(FileNotFoundError, match="gone.txt'$"), atomic_path(kept):
+        (tmp_path / "gone.txt").read_text()
+    assert kept.read_text() == "keep"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from planner.evaluate.plots import check_plot_path, plot_comparison
 from planner.export import load_tables
 from planner.predict.predictor import load_predictor
 from planner.solve.align import align_plan
-from planner.solve.ilp import layer_lp_path
+from planner.solve.ilp import layer_lp_path, lp_files_together
 from planner.solve.ngram_term import DEFAULT_WEIGHT
 from planner.solve.pipeline import PlanConfig, make_plan
 from planner.solve.plan import check_plan_output
@@ -211,15 +212,19 @@ def solve(
                 f"--align-to {align_to} was made for model {deployed.meta.model!r}, "
                 f"the predictor for {pred.meta.model!r} (fingerprints differ)"
             )
-    config = PlanConfig(
-        method, ep, beta, seed, jobs, time_limit, ngram_order, opts, ngram_weight,
-        chain_passes, ngram_defer, expert_beta, polish, move_cost,
-    )  # fmt: skip
     reference = None if deployed is None else deployed.expert_to_device
-    plan = make_plan(pred, config, progress=not as_json, reference=reference)
-    if deployed is not None:
-        plan = align_plan(plan, deployed.expert_to_device, deployed.meta.fingerprint())
-    plan.save(out)
+    # the ILP's LP files, if asked for, are staged and move into place with the plan
+    with lp_files_together(opts, pred.meta.num_layers) as solver_opts:
+        config = PlanConfig(
+            method, ep, beta, seed, jobs, time_limit, ngram_order, solver_opts, ngram_weight,
+            chain_passes, ngram_defer, expert_beta, polish, move_cost,
+        )  # fmt: skip
+        plan = make_plan(pred, config, progress=not as_json, reference=reference)
+        if deployed is not None:
+            plan = align_plan(plan, deployed.expert_to_device, deployed.meta.fingerprint())
+        # the options as given: the staging folder's LP path is gone after the block
+        plan = dataclasses.replace(plan, config=plan.config | {"options": opts})
+        plan.save(out)
     _note_unreached_cap(plan.reports, expert_beta)
     if as_json:
         print_json({"plan": out, "reports": plan.reports, "aligned": plan.config.get("aligned")})
@@ -340,19 +345,20 @@ def compare(
     _check_lp_path(opts, pred.meta.num_layers, (predictor, heldout, fitting), (plot,))
     trace = open_trace(heldout)
     fitting_trace = None if fitting is None else open_trace(fitting)
-    config = PlanConfig(
-        names[0], ep, beta, seed, jobs, time_limit, ngram_order, opts, ngram_weight,
-        chain_passes, ngram_defer, expert_beta, polish,
-    )  # fmt: skip
-    result = compare_methods(
-        pred,
-        trace,
-        names,
-        config,
-        EvalConfig(batch_tokens=batch_tokens),
-        progress=not as_json,
-        fitting=fitting_trace,
-    )
+    with lp_files_together(opts, pred.meta.num_layers) as solver_opts:
+        config = PlanConfig(
+            names[0], ep, beta, seed, jobs, time_limit, ngram_order, solver_opts, ngram_weight,
+            chain_passes, ngram_defer, expert_beta, polish,
+        )  # fmt: skip
+        result = compare_methods(
+            pred,
+            trace,
+            names,
+            config,
+            EvalConfig(batch_tokens=batch_tokens),
+            progress=not as_json,
+            fitting=fitting_trace,
+        )
     if plot:
         title = f"{heldout}, EP {ep}: ratio to the best baseline above each bar"
         err_console.print(f"plot: {plot_comparison(result, plot, title)}")

@@ -67,7 +67,9 @@ Solvers: HiGHS through its Python API (``pulp.HiGHS``, needs highspy) or CBC
 (``pulp.PULP_CBC_CMD``, whose process is killed at the same deadline: ``_CbcWithDeadline``).
 ``lp_path`` (a name ending in ``.lp``) writes the program in LP format before solving; a
 layer of a model solve writes its own file, the layer's index before the suffix (``prog.lp``
--> ``prog.layer3.lp``), so no layer's program replaces another's.
+-> ``prog.layer3.lp``), so no layer's program replaces another's. ``moeplan solve`` and
+``compare`` write them in a staging folder and move them into place together once every
+layer is solved (:func:`lp_files_together`).
 """
 
 from __future__ import annotations
@@ -75,10 +77,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
@@ -88,7 +93,7 @@ import numpy as np
 import pulp
 from pulp.apis import coin_api
 
-from planner._io import atomic_path, native_stdout
+from planner._io import atomic_path, native_stdout, signals_deferred
 from planner.errors import InfeasibleError, InputError
 from planner.solve import highs_child
 from planner.solve.assign import heavy_fill_loads, shift_to_one
@@ -139,6 +144,41 @@ def layer_lp_path(lp_path: str | Path, layer: int | None) -> Path:
     path itself for a problem of no layer)."""
     path = check_lp_path(str(lp_path))
     return path if layer is None else path.with_name(f"{path.stem}.layer{layer}{path.suffix}")
+
+
+@contextmanager
+def lp_files_together(options: dict, layers: int) -> Iterator[dict]:
+    """Per-method ``options`` whose ILP ``lp_path`` (if any) points into a hidden staging
+    folder beside it, from which the ``layers`` LP files are moved into place together when
+    the block ends without error (Ctrl-C held back meanwhile). A run that fails or is
+    stopped part-way leaves every earlier LP file as it was, where each layer's file
+    replaced its own as it was solved (the first layers new, the rest old)."""
+    ilp = options.get("ilp")
+    lp_path = ilp.get("lp_path") if isinstance(ilp, dict) else None
+    if not isinstance(lp_path, str):
+        yield options
+        return
+    final = check_lp_path(lp_path)
+    made = [d for d in (final.parent, *final.parent.parents) if not d.exists()]
+    final.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    moved = False
+    try:
+        staged = stage / final.name
+        yield {**options, "ilp": {**ilp, "lp_path": str(staged)}}
+        with signals_deferred():
+            for layer in range(layers):
+                written = layer_lp_path(staged, layer)
+                if written.exists():
+                    os.replace(written, layer_lp_path(final, layer))
+                    moved = True
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+        for folder in made if not moved else ():  # the folders made for them, if still empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
 
 
 def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:

@@ -28,6 +28,7 @@ import io
 import json
 import multiprocessing as mp
 import os
+import signal
 import zipfile
 import zlib
 from collections.abc import Iterator, Sequence
@@ -45,6 +46,7 @@ from planner.errors import InputError, MismatchError, SchemaError
 from planner.predict.ngram import MAX_ORDER
 from planner.solve.ceo import model_layer_effort
 from planner.solve.chain import chain_polish
+from planner.solve.highs_child import die_with_parent
 from planner.solve.ngram_term import NgramTerm, restrict
 from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig
 from planner.solve.registry import get_solver, solve_layer
@@ -232,17 +234,46 @@ def _worker_pool(workers: int) -> Iterator[cf.ProcessPoolExecutor]:
     solvers gain nothing from BLAS threads). The workers inherit the variables below, set
     for the pool's lifetime to ``cores // workers`` (at least 1) unless the user set them;
     this process's own BLAS has read them already and is unaffected.
+
+    The workers ignore Ctrl-C (a terminal sends it to the whole process group; each worker's
+    KeyboardInterrupt printed a traceback beside this process's one line) and die with this
+    process (a parent killed outright left them running). On any exception here, Ctrl-C
+    and SIGTERM included, they are stopped at once: leaving the pool's block normally waits
+    for every queued layer to be solved.
     """
     threads = str(max(1, (os.cpu_count() or 1) // workers))
     added = [name for name in _THREAD_VARS if name not in os.environ]
     os.environ.update(dict.fromkeys(added, threads))
     try:
         ctx = mp.get_context("spawn")
-        with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        pool = cf.ProcessPoolExecutor(
+            max_workers=workers, mp_context=ctx, initializer=_start_worker
+        )
+        try:
             yield pool
+        except BaseException:
+            _stop_pool(pool)
+            raise
+        pool.shutdown(wait=True)
     finally:
         for name in added:
             os.environ.pop(name, None)
+
+
+def _start_worker() -> None:
+    """A pool worker's start: see :func:`_worker_pool`."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent()
+
+
+def _stop_pool(pool: cf.ProcessPoolExecutor) -> None:
+    """Drop the queued work and kill the workers, waiting until they are gone."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        process.kill()
+    for process in processes:
+        process.join(timeout=5)
 
 
 def _polish_task(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 import sys
@@ -23,7 +24,7 @@ SYNTH = SynthConfig(
 
 
 def _nightly(
-    fresh: Path, deployed: Path, work: Path, python: str = sys.executable
+    fresh: Path, deployed: Path, work: Path, python: str = sys.executable, **env_extra: str
 ) -> subprocess.CompletedProcess:
     # this checkout's moeplan (child_env puts it first on the path), whatever is installed
     moeplan = fresh.parent / f"moeplan-{work.name}"
@@ -33,8 +34,9 @@ def _nightly(
     )
     moeplan.chmod(0o755)
     env = child_env(
-        METHOD="kmeans", JOBS="1", FORMATS="moeplan", MOEPLAN=str(moeplan), PYTHON=python
-    )
+        METHOD="kmeans", JOBS="1", FORMATS="moeplan", MOEPLAN=str(moeplan), PYTHON=python,
+        **env_extra,
+    )  # fmt: skip
     return subprocess.run(
         ["bash", str(SCRIPT), str(fresh), str(deployed), str(work)],
         env=env, capture_output=True, text=True, timeout=600,
@@ -68,7 +70,7 @@ def test_a_better_plan_is_rolled_out_then_kept(deployed):
     last = run.stdout.strip().splitlines()[-1]
     assert last.startswith(f"rolled out to {serving} (swapped in one step;") and "better" in last
     assert _files(serving / ".." / "serving.previous") == before  # kept whole beside it
-    assert not (d / "serving.incoming").exists()
+    assert not list(d.glob("serving.incoming*"))
     assert main(["export", "--verify", str(serving), "--json"]) == 0
     # the same traffic again: the new plan is level with the one now serving, and stays
     now = _files(serving)
@@ -105,13 +107,47 @@ def test_the_rollout_takes_two_renames_where_no_swap_is_supported(deployed, tmp_
     before = _files(serving)
     python = tmp_path / "python-without-swap"  # the swap reports "not supported"
     python.write_text(
-        '#!/bin/sh\ncase "$2" in *exchange_paths*) exit 1 ;; esac\n'
+        '#!/bin/sh\ncase "$2" in *exchange_paths*) exit 3 ;; esac\n'
         f'exec {shlex.quote(sys.executable)} "$@"\n'
     )
     python.chmod(0o755)
     run = _nightly(fresh, serving, tmp_path / "work", python=str(python))
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip().splitlines()[-1].startswith(f"rolled out to {serving} (two renames;")
+    assert "cannot import planner" not in run.stderr
     assert _files(tmp_path / "serving.previous") == before
-    assert not (tmp_path / "serving.incoming").exists()
+    assert not list(tmp_path.glob("serving.incoming*"))
     assert main(["export", "--verify", str(serving), "--json"]) == 0
+
+
+def test_a_failed_copy_leaves_nothing_beside_the_serving_bundle(deployed, tmp_path):
+    """A copy that failed (a full disk) left a half-written serving.incoming beside the
+    bundle and the copy's raw errors, with no line of the script's own; and a PYTHON that
+    cannot import planner fell back to two renames without a word."""
+    d, fresh, _ = deployed
+    serving = tmp_path / "serving"
+    assert main(["export", str(d / "plan"), "--out", str(serving), "--json"]) == 0
+    before = _files(serving)
+    shims = tmp_path / "shims"
+    shims.mkdir()
+    (shims / "cp").write_text('#!/bin/sh\n/bin/cp "$@"\necho "cp: no space left" >&2\nexit 1\n')
+    (shims / "cp").chmod(0o755)
+    path = f"{shims}{os.pathsep}{os.environ['PATH']}"
+    run = _nightly(fresh, serving, tmp_path / "work", PATH=path)
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines()[-1].startswith("nightly_replan.sh: could not copy")
+    assert _files(serving) == before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("serving")) == [
+        "serving",
+        "serving.lock",
+    ]
+    python = tmp_path / "python-without-planner"  # planner._io cannot be imported
+    python.write_text(
+        '#!/bin/sh\ncase "$2" in *exchange_paths*) exit 1 ;; esac\n'
+        f'exec {shlex.quote(sys.executable)} "$@"\n'
+    )
+    python.chmod(0o755)
+    run = _nightly(fresh, serving, tmp_path / "work2", python=str(python))
+    assert run.returncode == 0, run.stderr
+    assert "cannot import planner" in run.stderr
+    assert run.stdout.strip().splitlines()[-1].startswith(f"rolled out to {serving} (two renames;")

@@ -221,6 +221,41 @@ def test_ilp_lp_files_are_checked_before_any_layer_is_solved(predictor_dir, tmp_
     assert (other.parent / "prog.layer0.lp").is_file() and plan.exists()
 
 
+def test_ilp_lp_files_move_into_place_together(predictor_dir, tmp_path, monkeypatch):
+    """Each layer's LP file replaced its own as the layer was solved: a run stopped at
+    layer 1 left layer 0's program new and the rest old, beside an unchanged plan."""
+    import planner.solve.ilp as ilp
+
+    lp = tmp_path / "lp" / "prog.lp"
+    plan = tmp_path / "plan"
+    opts = {"ilp": {"max_variables": 200, "lp_path": str(lp)}}
+    args = ["solve", str(predictor_dir / "pred"), "--ep", "2", "--method", "ilp"]
+    args += ["--time-limit", "5", "--out", str(plan), "--options", json.dumps(opts)]
+    assert main(args) == 0
+    recorded = json.loads((plan / "plan.json").read_text())["config"]["options"]
+    assert recorded == opts  # the path given, not the staging folder's
+    before = {p.name: p.read_bytes() for p in lp.parent.iterdir()}
+    assert len(before) == SYNTH.num_layers == 2
+    plan_before = (plan / "plan.json").read_bytes()
+
+    checked, status = [], ilp._checked_status
+
+    def stop_at_layer_1(*a, **k):
+        checked.append(1)
+        if len(checked) == 2:
+            raise KeyboardInterrupt
+        return status(*a, **k)
+
+    monkeypatch.setattr(ilp, "_checked_status", stop_at_layer_1)
+    assert main([*args[:-1], json.dumps({"ilp": {**opts["ilp"], "max_variables": 150}})]) == 130
+    assert {p.name: p.read_bytes() for p in lp.parent.iterdir()} == before  # no strays
+    assert (plan / "plan.json").read_bytes() == plan_before
+    fresh = tmp_path / "new" / "lp" / "prog.lp"  # folders made for files never written go
+    checked.clear()
+    assert main([*args[:-1], json.dumps({"ilp": {**opts["ilp"], "lp_path": str(fresh)}})]) == 130
+    assert not (tmp_path / "new").exists()
+
+
 def test_ilp_lp_path_must_end_in_lp(predictor_dir, small_problem, tmp_path, capsys):
     """lp_path "notes.txt" overwrote notes.layer0.txt, notes.layer1.txt, ... with programs."""
     notes = tmp_path / "notes.layer0.txt"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -49,6 +51,21 @@ def test_workers_get_their_share_of_blas_threads(monkeypatch) -> None:
     assert (seen, user) == ("1", "3")
     assert "OPENBLAS_NUM_THREADS" not in os.environ  # only the workers saw it
     assert os.environ["OMP_NUM_THREADS"] == "3"
+
+
+def test_workers_ignore_ctrl_c_and_are_stopped_with_the_pool() -> None:
+    # Ctrl-C reaches the whole process group: the workers leave it to this process (their
+    # own KeyboardInterrupts printed tracebacks), which stops them at once on its way out
+    # (leaving the block normally would first solve every queued layer)
+    started = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt), _worker_pool(2) as pool:
+        assert pool.submit(signal.getsignal, signal.SIGINT).result() == signal.SIG_IGN
+        workers = list(pool._processes.values())
+        for _ in range(4):
+            pool.submit(time.sleep, 60)
+        raise KeyboardInterrupt
+    assert time.perf_counter() - started < 30
+    assert workers and not any(w.is_alive() for w in workers)
 
 
 def test_model_budget_is_shared_over_layers() -> None:
