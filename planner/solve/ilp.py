@@ -155,7 +155,7 @@ def lp_files_together(options: dict, layers: int) -> Iterator[dict]:
     replaced its own as it was solved (the first layers new, the rest old)."""
     ilp = options.get("ilp")
     lp_path = ilp.get("lp_path") if isinstance(ilp, dict) else None
-    if not isinstance(lp_path, str):
+    if not isinstance(ilp, dict) or not isinstance(lp_path, str):
         yield options
         return
     final = check_lp_path(lp_path)
