@@ -13,6 +13,12 @@ def is_integer(value: object) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
+def is_seed(value: object) -> bool:
+    """An integer in [0, 2**64): what numpy's and torch's generators take, and the one
+    range of every command's ``--seed``."""
+    return is_integer(value) and 0 <= int(value) < 2**64  # type: ignore[call-overload]
+
+
 def is_bool(value: object) -> TypeGuard[bool | np.bool_]:
     """A Python or numpy bool (a flag; 0 and 1 are not flags)."""
     return isinstance(value, bool | np.bool_)

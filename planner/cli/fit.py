@@ -111,6 +111,12 @@ def fit(
     given = [f"--{n.replace('_', '-')}" for n in ("neural_steps", "neural_budget") if typed(ctx, n)]
     if given and not neural:
         raise InputError(f"{' and '.join(given)} set the neural predictor's training; add --neural")
+    given = [f"--{n.replace('_', '-')}" for n in ("ep_size", "ngram_order") if typed(ctx, n)]
+    if given and holdout is None and not eval_domain:  # they change nothing else
+        raise InputError(
+            f"{' and '.join(given)} set the held-out report's n-gram figure; add --holdout "
+            "(or --eval-domain for a counts table)"
+        )
     config = FitConfig(
         holdout=holdout,
         seed=seed,

@@ -26,6 +26,7 @@ from planner.evaluate.plots import check_plot_path, plot_comparison
 from planner.export import load_tables
 from planner.predict.predictor import load_predictor
 from planner.solve.align import align_plan
+from planner.solve.expert_balance import cap_unreached
 from planner.solve.ilp import layer_lp_path, lp_files_together
 from planner.solve.ngram_term import DEFAULT_WEIGHT
 from planner.solve.pipeline import PlanConfig, make_plan
@@ -225,7 +226,7 @@ def solve(
         # the options as given: the staging folder's LP path is gone after the block
         plan = dataclasses.replace(plan, config=plan.config | {"options": opts})
         plan.save(out)
-    _note_unreached_cap(plan.reports, expert_beta)
+    _note_unreached_cap(cap_unreached(plan.reports), len(plan.reports), expert_beta)
     if as_json:
         print_json({"plan": out, "reports": plan.reports, "aligned": plan.config.get("aligned")})
         return
@@ -260,18 +261,16 @@ def solve(
         )
 
 
-def _note_unreached_cap(reports: list[dict], expert_beta: float | None) -> None:
-    """One line on stderr where the expert-load cap was out of reach of the swaps."""
-    short = [
-        r["expert_imbalance"]
-        for r in reports
-        if not r["info"].get("expert_balance", {}).get("reached", True)
-    ]
+def _note_unreached_cap(
+    short: list[float], layers: int, expert_beta: float | None, whose: str = "the plan"
+) -> None:
+    """One line on stderr where the expert-load cap was out of reach of the swaps on the
+    ``short`` layers (their imbalances, :func:`planner.solve.expert_balance.cap_unreached`)."""
     if expert_beta is not None and short:
         low, high = f"{min(short):.3f}", f"{max(short):.3f}"
         err_console.print(
             f"note: the expert-load cap {expert_beta:g} is out of reach on {len(short)} of "
-            f"{len(reports)} layers; the plan keeps the lowest peak found there "
+            f"{layers} layers; {whose} keeps the lowest peak found there "
             f"({low if low == high else f'{low}-{high}'} of the mean)",
             soft_wrap=True,
         )
@@ -362,6 +361,9 @@ def compare(
     if plot:
         title = f"{heldout}, EP {ep}: ratio to the best baseline above each bar"
         err_console.print(f"plot: {plot_comparison(result, plot, title)}")
+    for row in result["rows"]:
+        short, layers = row["expert_cap_unreached"], pred.meta.num_layers
+        _note_unreached_cap(short, layers, expert_beta, whose=f"{row['method']}'s plan")
     if as_json:
         print_json(result)
         return

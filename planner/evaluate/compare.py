@@ -16,6 +16,7 @@ from planner.export.bundle import Bundle
 from planner.predict.predictor import Predictor
 from planner.predict.reliability import unseen_share
 from planner.solve.align import device_maps, experts_moved, relabel
+from planner.solve.expert_balance import cap_unreached
 from planner.solve.pipeline import PlanConfig, make_plan
 from planner.trace.io import Trace
 
@@ -180,6 +181,8 @@ def compare_methods(
                 "token_imbalance_balanced": ov["token_imbalance_balanced"],
                 "expert_load_imbalance": ov["expert_load_imbalance"],
                 "solver_local_rate": sum(r["local_rate"] for r in plan.reports) / len(plan.reports),
+                # the expert-load imbalance of each layer where --expert-beta was out of reach
+                "expert_cap_unreached": cap_unreached(plan.reports),
                 "seconds": round(seconds, 3),
                 "gap_to_bound": None if bound is None else round(bound - ov["lar_balanced"], 6),
             }

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 from scipy import sparse
 
-from planner._checks import is_integer
+from planner._checks import is_seed
 from planner._io import atomic_path, check_output, signals_deferred
 from planner.errors import InputError, SchemaError
 from planner.predict.counts import TokenExpertCounts
@@ -53,7 +53,7 @@ def check_fraction(fraction: float, what: str = "holdout") -> float:
 def check_seed(seed: object) -> int:
     """``seed`` as an int in [0, 2**64) (what numpy's and torch's generators take), else
     :class:`InputError`."""
-    if not is_integer(seed) or not 0 <= int(seed) < 2**64:  # type: ignore[call-overload]
+    if not is_seed(seed):
         raise InputError(f"seed {seed!r} must be an integer in [0, 2**64)")
     return int(seed)  # type: ignore[call-overload]
 

@@ -146,6 +146,16 @@ class ExpertLimit:
         return _lower_the_peak(m, self.loads, x, dev, self.bound, 4 * x.size)[0]
 
 
+def cap_unreached(reports: list[dict]) -> list[float]:
+    """The expert-load imbalance of each layer of a plan's ``reports`` whose expert-load cap
+    was out of reach (:func:`cap_expert_load`'s ``reached``); empty without a cap."""
+    return [
+        r["expert_imbalance"]
+        for r in reports
+        if not r["info"].get("expert_balance", {}).get("reached", True)
+    ]
+
+
 def cap_expert_load(
     problem: LayerProblem,
     placement: LayerPlacement,

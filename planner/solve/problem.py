@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 from scipy import sparse
 
-from planner._checks import is_bool, is_finite_number, is_real
+from planner._checks import is_bool, is_finite_number, is_real, is_seed
 from planner.errors import InfeasibleError, InputError, MismatchError
 
 BALANCE_MODES = ("cap", "penalty")
@@ -382,12 +382,8 @@ class SolverConfig:
     polish: bool = False
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.seed, bool)
-            or not isinstance(self.seed, int | np.integer)
-            or self.seed < 0
-        ):
-            raise InputError(f"seed={self.seed!r} must be a non-negative integer")
+        if not is_seed(self.seed):  # as trace split's and fit's
+            raise InputError(f"seed={self.seed!r} must be an integer in [0, 2**64)")
         if self.time_limit is not None and not (
             is_real(self.time_limit) and 0 < self.time_limit < math.inf
         ):

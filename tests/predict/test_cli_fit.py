@@ -100,7 +100,13 @@ def test_a_split_carries_the_embeddings_to_both_sides(tmp_path, capsys):
         (["--embeddings", "EMB"], "disagrees with the vocabulary"),
         (["--domain", "arxiv"], "apply to counts tables only"),
         (["--holdout", "0.5", "--ep-size", "0"], "ep_size=0 must be a positive integer"),
-        (["--ngram-order", "9"], "ngram_order=9 must be 1, 2 or 3"),
+        (["--holdout", "0.5", "--ngram-order", "9"], "ngram_order=9 must be 1, 2 or 3"),
+        # these changed nothing without a report (fit --ep-size 3 of 8 experts passed silently)
+        (["--ep-size", "3"], "--ep-size set the held-out report's n-gram figure; add --holdout"),
+        (
+            ["--ep-size", "4", "--ngram-order", "1"],
+            "--ep-size and --ngram-order set the held-out report's n-gram figure; add --holdout",
+        ),
         # these were ignored without --neural
         (
             ["--neural-steps", "40"],

@@ -263,3 +263,25 @@ def test_cli_expert_beta(hot_model, tmp_path, capsys):
         "contiguous layout)"
     )
     assert not (tmp_path / "p2").exists()
+
+
+def test_cli_compare_names_the_plans_whose_expert_cap_is_out_of_reach(hot_model, tmp_path, capsys):
+    """compare --expert-beta ('as in moeplan solve') said nothing where the cap was out of
+    reach, which solve notes."""
+    d, _ = hot_model
+    held = d / "held"
+    pred = tmp_path / "pred"
+    assert main(["fit", str(d / "fit"), "--out", str(pred), "--json"]) == 0
+    capsys.readouterr()
+    args = ["compare", str(pred), str(held), "--ep", "4", "--methods", "kmeans,vanilla", "--json"]
+    assert main([*args, "--expert-beta", "1.2"]) == 0
+    out, err = capsys.readouterr()
+    rows = {r["method"]: r for r in json.loads(out)["rows"]}
+    short = rows["kmeans"]["expert_cap_unreached"]
+    assert len(short) == 1 and rows["vanilla"]["expert_cap_unreached"] == []
+    assert err.strip().splitlines()[-1] == (
+        "note: the expert-load cap 1.2 is out of reach on 1 of 2 layers; kmeans's plan keeps "
+        f"the lowest peak found there ({short[0]:.3f} of the mean)"
+    )
+    assert main(args) == 0  # no cap, no note
+    assert "note: the expert-load cap" not in capsys.readouterr().err

@@ -108,8 +108,11 @@ def test_select_tokens_scales_the_capacity() -> None:
 
 
 def test_solver_config_validation() -> None:
-    with pytest.raises(InputError):
-        SolverConfig(seed=-1)
+    # one range for every command's --seed: solve took 2**64 and more, fit and split refused it
+    for seed in (-1, 2**64, 2**100, True, 1.0):
+        with pytest.raises(InputError, match=r"must be an integer in \[0, 2\*\*64\)"):
+            SolverConfig(seed=seed)  # type: ignore[arg-type]
+    assert SolverConfig(seed=2**64 - 1).seed == 2**64 - 1
     with pytest.raises(InputError):
         SolverConfig(time_limit=0)
     assert SolverConfig(options={"ceo": {"samples": 4}}).for_method("ceo") == {"samples": 4}
