@@ -43,6 +43,17 @@ def _nightly(
     )  # fmt: skip
 
 
+def _python_whose_swap_exits(status: int, path: Path) -> Path:
+    """A PYTHON for the script whose one-step swap exits with ``status`` (3: the system
+    cannot swap; 1: as a Python that cannot import planner does), and runs the rest."""
+    path.write_text(
+        f'#!/bin/sh\ncase "$2" in *exchange_paths*) exit {status} ;; esac\n'
+        f'exec {shlex.quote(sys.executable)} "$@"\n'
+    )
+    path.chmod(0o755)
+    return path
+
+
 def _files(directory: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
 
@@ -105,12 +116,7 @@ def test_the_rollout_takes_two_renames_where_no_swap_is_supported(deployed, tmp_
     serving = tmp_path / "serving"
     assert main(["export", str(d / "plan"), "--out", str(serving), "--json"]) == 0
     before = _files(serving)
-    python = tmp_path / "python-without-swap"  # the swap reports "not supported"
-    python.write_text(
-        '#!/bin/sh\ncase "$2" in *exchange_paths*) exit 3 ;; esac\n'
-        f'exec {shlex.quote(sys.executable)} "$@"\n'
-    )
-    python.chmod(0o755)
+    python = _python_whose_swap_exits(3, tmp_path / "python-without-swap")  # "not supported"
     run = _nightly(fresh, serving, tmp_path / "work", python=str(python))
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip().splitlines()[-1].startswith(f"rolled out to {serving} (two renames;")
@@ -141,12 +147,7 @@ def test_a_failed_copy_leaves_nothing_beside_the_serving_bundle(deployed, tmp_pa
         "serving",
         "serving.lock",
     ]
-    python = tmp_path / "python-without-planner"  # planner._io cannot be imported
-    python.write_text(
-        '#!/bin/sh\ncase "$2" in *exchange_paths*) exit 1 ;; esac\n'
-        f'exec {shlex.quote(sys.executable)} "$@"\n'
-    )
-    python.chmod(0o755)
+    python = _python_whose_swap_exits(1, tmp_path / "python-without-planner")  # no import
     run = _nightly(fresh, serving, tmp_path / "work2", python=str(python))
     assert run.returncode == 0, run.stderr
     assert "cannot import planner" in run.stderr
