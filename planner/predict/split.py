@@ -279,7 +279,7 @@ def _write_sides(trace, fit_out, heldout_out, heldout_mask, overwrite: bool = Fa
     for out in (fit_out, heldout_out):  # (after: an input or a user's directory says so)
         if Path(out).exists() and not overwrite:
             raise InputError(
-                f"{out}: already exists; choose another path or pass overwrite (--force)"
+                f"{out}: already exists; choose another path or pass --force (overwrite=True from Python)"
             )
     counts = {"fit": 0, "heldout": 0}
     requests: dict[str, set] = {"fit": set(), "heldout": set()}

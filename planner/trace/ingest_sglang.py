@@ -563,7 +563,9 @@ def ingest_sglang(
     """
     out = Path(out)
     if out.exists() and not overwrite:
-        raise InputError(f"{out}: already exists; choose another path or pass overwrite (--force)")
+        raise InputError(
+            f"{out}: already exists; choose another path or pass --force (overwrite=True from Python)"
+        )
     if not is_integer(rows_per_part) or rows_per_part < 1:
         raise InputError(f"sglang: rows_per_part={rows_per_part!r} must be a positive integer")
     rows_per_part = int(rows_per_part)

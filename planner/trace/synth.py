@@ -545,7 +545,9 @@ def synthesize(
     if not is_integer(rows_per_part) or rows_per_part < 1:
         raise InputError(f"synth: rows_per_part={rows_per_part!r} must be a positive integer")
     if out.exists() and not overwrite:
-        raise InputError(f"{out}: already exists; choose another path or pass overwrite (--force)")
+        raise InputError(
+            f"{out}: already exists; choose another path or pass --force (overwrite=True from Python)"
+        )
     # --force replaces an earlier trace only: never another file, nor a non-empty directory
     # of another kind.
     single = check_trace_output(out)

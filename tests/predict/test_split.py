@@ -396,7 +396,9 @@ def test_a_split_replaces_an_existing_trace_only_with_force(tmp_path, exact_trac
     capsys.readouterr()
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
-    assert err.endswith("f: already exists; choose another path or pass overwrite (--force)")
+    assert err.endswith(
+        "f: already exists; choose another path or pass --force (overwrite=True from Python)"
+    )
     assert (fit / "profile.json").exists()
     assert main([*args, "--force"]) == 0 and not (fit / "profile.json").exists()
 
