@@ -211,7 +211,8 @@ def solve(
         if deployed.meta.fingerprint() != pred.fingerprint:
             raise MismatchError(
                 f"--align-to {align_to} was made for model {deployed.meta.model!r}, "
-                f"the predictor for {pred.meta.model!r} (fingerprints differ)"
+                f"the predictor for {pred.meta.model!r} (fingerprints differ: "
+                f"{deployed.meta.fingerprint_difference(pred.meta)})"
             )
     reference = None if deployed is None else deployed.expert_to_device
     # the ILP's LP files, if asked for, are staged and move into place with the plan

@@ -240,7 +240,8 @@ def against_deployed(
     if bundle.meta.fingerprint() != deployed.meta.fingerprint():
         raise MismatchError(
             f"the deployed plan was made for model {deployed.meta.model!r}, the new one for "
-            f"{bundle.meta.model!r} (fingerprints differ)"
+            f"{bundle.meta.model!r} (fingerprints differ: "
+            f"{deployed.meta.fingerprint_difference(bundle.meta)})"
         )
     if bundle.ep_size != deployed.ep_size:
         raise InputError(

@@ -50,7 +50,12 @@ from planner.solve.highs_child import die_with_parent
 from planner.solve.ngram_term import NgramTerm, restrict
 from planner.solve.problem import LayerPlacement, LayerProblem, SolverConfig
 from planner.solve.registry import get_solver, solve_layer
-from planner.solve.settle import check_replan, with_deployed, without_deployed
+from planner.solve.settle import (
+    check_replan,
+    no_worse_than_deployed,
+    with_deployed,
+    without_deployed,
+)
 
 PLAN_FORMAT = "moeplan-plan"
 PLAN_FORMAT_VERSION = 1
@@ -155,6 +160,7 @@ def solve_model(
 
     def record(layer: int, solved: LayerProblem, placement: LayerPlacement) -> None:
         if deployed is not None:
+            placement = no_worse_than_deployed(solved, placement, deployed[layer])
             solved = extended.pop(layer)
             placement = without_deployed(solved, placement, deployed[layer])
         placement = restrict(problems[layer], solved, placement)

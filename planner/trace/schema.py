@@ -145,6 +145,17 @@ class TraceMeta:
         )
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
+    def fingerprint_difference(self, other: TraceMeta) -> str:
+        """The fields of :meth:`fingerprint` in which ``other`` differs, in words
+        (``"num_experts 8 against 16"``); empty where the fingerprints agree. Two models of
+        one name told a user nothing more than "fingerprints differ"."""
+        fields = ("model", "num_layers", "num_experts", "top_k", "vocab_size")
+        return ", ".join(
+            f"{name} {getattr(self, name)!r} against {getattr(other, name)!r}"
+            for name in fields
+            if getattr(self, name) != getattr(other, name)
+        )
+
     def layer_mismatch(
         self, other: TraceMeta, names: tuple[str, str] = ("one", "the other")
     ) -> str | None:

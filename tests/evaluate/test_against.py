@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -66,8 +67,12 @@ def test_the_same_plan_renamed_is_level_and_moves_nothing_once_aligned(trace):
 
 def test_plans_of_another_model_or_ep_size_are_refused(trace):
     other = TraceMeta("test/other", num_layers=2, num_experts=4, top_k=2, vocab_size=10)
-    with pytest.raises(MismatchError, match="fingerprints differ"):
+    with pytest.raises(MismatchError, match="fingerprints differ: model 'test/other' against"):
         against_deployed(GOOD, _bundle([0, 0, 1, 1], SPLIT, other), trace)
+    # one name, other shapes: the message says which (it said only "fingerprints differ")
+    wider = dataclasses.replace(GOOD.meta, vocab_size=GOOD.meta.vocab_size + 5)
+    with pytest.raises(MismatchError, match=r"differ: vocab_size \d+ against \d+\)$"):
+        against_deployed(GOOD, _bundle([0, 0, 1, 1], SPLIT + [0] * 5, wider), trace)
     with pytest.raises(InputError, match="EP 4, the new one for EP 2"):
         against_deployed(GOOD, _bundle([0, 1, 2, 3], [0] * 10, ep=4), trace)
 
