@@ -160,7 +160,9 @@ def solve_model(
 
     def record(layer: int, solved: LayerProblem, placement: LayerPlacement) -> None:
         if deployed is not None:
-            placement = no_worse_than_deployed(solved, placement, deployed[layer])
+            placement = no_worse_than_deployed(
+                solved, placement, deployed[layer], config.expert_beta
+            )
             solved = extended.pop(layer)
             placement = without_deployed(solved, placement, deployed[layer])
         placement = restrict(problems[layer], solved, placement)

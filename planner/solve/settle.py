@@ -48,6 +48,7 @@ from planner._checks import is_real
 from planner.errors import InputError, MismatchError
 from planner.solve.align import check_reference, overlap
 from planner.solve.common import device_gains, finish, improves, net_objective
+from planner.solve.expert_balance import expert_imbalance
 from planner.solve.problem import LayerPlacement, LayerProblem
 
 
@@ -109,13 +110,21 @@ def experts_kept(reference: np.ndarray, expert_to_device: np.ndarray) -> int:
 
 
 def no_worse_than_deployed(
-    problem: LayerProblem, placement: LayerPlacement, reference: np.ndarray
+    problem: LayerProblem,
+    placement: LayerPlacement,
+    reference: np.ndarray,
+    expert_beta: float | None = None,
 ) -> LayerPlacement:
     """``placement``, solved on ``problem`` (a :func:`with_deployed` problem), or the
     deployed placement ``reference`` [N] with the shared token assignment where that scores
-    at least as high there net of the batch cap (module doc); ``info["kept_deployed"]``
+    at least as high there net of the batch cap (module doc) and, with an expert-load cap
+    ``expert_beta``, keeps to it as well as ``placement`` does; ``info["kept_deployed"]``
     says which."""
     ref = np.asarray(reference, dtype=np.int64)
+    if expert_beta is not None:
+        allowed = max(expert_beta, expert_imbalance(problem, placement.expert_to_device))
+        if expert_imbalance(problem, ref) > allowed * (1 + 1e-9):
+            return dataclasses.replace(placement, info=placement.info | {"kept_deployed": False})
     ours = net_objective(
         problem, device_gains(problem, placement.expert_to_device), placement.token_to_device
     )

@@ -12,6 +12,7 @@ from planner.errors import InputError, MismatchError
 from planner.predict.fit import FitConfig, fit_predictor
 from planner.solve.align import align_plan, experts_moved
 from planner.solve.common import device_gains, finish, net_objective
+from planner.solve.expert_balance import expert_imbalance
 from planner.solve.pipeline import PlanConfig, make_plan
 from planner.solve.plan import solve_model
 from planner.solve.problem import SolverConfig
@@ -213,3 +214,21 @@ def test_a_config_files_move_cost_stands_down_where_it_cannot_apply(tmp_path, ca
     assert main([*solve, "--method", "vanilla", "--out", str(tmp_path / "x"),
                  "--align-to", str(old), "--move-cost", "0.01"]) == 2  # fmt: skip
     assert "does not apply to --method vanilla" in capsys.readouterr().err
+
+
+def test_the_deployed_placement_is_not_kept_where_it_breaks_the_expert_load_cap():
+    """Keeping the deployed placement where the method's answer scores no higher must not
+    undo --expert-beta: a deployed layer that crowds its hot experts on one device stays
+    moved, however high the move cost."""
+    problems = [random_problem(120, 16, 4, seed=s, zipf=1.5) for s in (0, 1)]
+    # the deployed plan: the four hottest experts of each layer together on device 0
+    reference = np.stack([np.argsort(np.argsort(-p.expert_load)) // 4 for p in problems])
+    config = SolverConfig(seed=0, expert_beta=1.2)
+    placed = solve_model(problems, "kmeans", config, progress=False, reference=reference,
+                         move_cost=1.0)  # fmt: skip
+    for problem, placement, ref in zip(problems, placed, reference, strict=True):
+        assert expert_imbalance(problem, ref) > 1.5
+        assert expert_imbalance(problem, placement.expert_to_device) <= max(
+            1.2 * (1 + 1e-6), placement.info["expert_balance"]["imbalance_after"] + 1e-9
+        )
+        assert not placement.info["kept_deployed"]
