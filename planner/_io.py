@@ -57,9 +57,7 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
     (:func:`check_output`).
     """
     dest = Path(dest)
-    # the folders made for dest, removed again if it is not written (deepest first)
-    made = [d for d in (dest.parent, *dest.parent.parents) if not d.exists()]
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    made = make_folders_for(dest)  # removed again if dest is not written
     fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
     os.close(fd)
     tmp = Path(tmp_name)
@@ -113,11 +111,34 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
         elif tmp.exists():
             tmp.unlink()
-        for folder in made if not written else ():
-            try:
-                folder.rmdir()  # only if still empty (another output may have landed there)
-            except OSError:
-                break
+        if not written:
+            remove_empty_folders(made)
+
+
+def make_folders_for(path: Path) -> list[Path]:
+    """Make ``path``'s missing parent folders; returns them, deepest first, for
+    :func:`remove_empty_folders` to take back if nothing is written there."""
+    made = [d for d in (path.parent, *path.parent.parents) if not d.exists()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return made
+
+
+def remove_empty_folders(made: list[Path]) -> None:
+    """Remove the folders :func:`make_folders_for` made, deepest first, while they are
+    empty (another output may have landed in one)."""
+    for folder in made:
+        try:
+            folder.rmdir()
+        except OSError:
+            break
+
+
+def refuse_existing(out: str | os.PathLike, overwrite: bool) -> None:
+    """InputError where ``out`` exists and ``overwrite`` (the CLI's ``--force``) is not given."""
+    if Path(out).exists() and not overwrite:
+        raise InputError(
+            f"{out}: already exists; choose another path or pass --force (overwrite=True from Python)"
+        )
 
 
 def exchange_paths(a: str | os.PathLike, b: str | os.PathLike) -> bool:

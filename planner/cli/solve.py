@@ -27,7 +27,7 @@ from planner.export import load_tables
 from planner.predict.predictor import load_predictor
 from planner.solve.align import align_plan
 from planner.solve.expert_balance import cap_unreached
-from planner.solve.ilp import layer_lp_path, lp_files_together
+from planner.solve.ilp import layer_lp_path, lp_files_together, lp_path_option
 from planner.solve.ngram_term import DEFAULT_WEIGHT
 from planner.solve.pipeline import PlanConfig, make_plan
 from planner.solve.plan import check_plan_output
@@ -62,9 +62,8 @@ def _check_lp_path(opts: dict, layers: int, inputs: tuple, outputs: tuple = ()) 
     replace one of the command's inputs (a file of the predictor directory) nor lie in or on
     one of its outputs (the plan directory, which the plan then replaces), and each must be
     writable: checked before the work, not when the layer's program is written."""
-    ilp = opts.get("ilp")
-    lp_path = ilp.get("lp_path") if isinstance(ilp, dict) else None
-    if not isinstance(lp_path, str):
+    lp_path = lp_path_option(opts)
+    if lp_path is None:
         return
     written = [(out, Path(out).resolve()) for out in filter(None, outputs)]
     for layer in range(layers):

@@ -27,7 +27,7 @@ import numpy as np
 from scipy import sparse
 
 from planner._checks import is_seed
-from planner._io import atomic_path, check_output, signals_deferred
+from planner._io import atomic_path, check_output, refuse_existing, signals_deferred
 from planner.errors import InputError, SchemaError
 from planner.predict.counts import TokenExpertCounts
 from planner.trace.io import (
@@ -277,10 +277,7 @@ def _write_sides(trace, fit_out, heldout_out, heldout_mask, overwrite: bool = Fa
             out, marker=PART_GLOB, what="trace", inputs=(trace.path,), members=TRACE_MEMBERS
         )
     for out in (fit_out, heldout_out):  # (after: an input or a user's directory says so)
-        if Path(out).exists() and not overwrite:
-            raise InputError(
-                f"{out}: already exists; choose another path or pass --force (overwrite=True from Python)"
-            )
+        refuse_existing(out, overwrite)
     counts = {"fit": 0, "heldout": 0}
     requests: dict[str, set] = {"fit": set(), "heldout": set()}
     # the last context to exit: from when both sides are written until both are renamed

@@ -93,7 +93,13 @@ import numpy as np
 import pulp
 from pulp.apis import coin_api
 
-from planner._io import atomic_path, native_stdout, signals_deferred
+from planner._io import (
+    atomic_path,
+    make_folders_for,
+    native_stdout,
+    remove_empty_folders,
+    signals_deferred,
+)
 from planner.errors import InfeasibleError, InputError
 from planner.solve import highs_child
 from planner.solve.assign import heavy_fill_loads, shift_to_one
@@ -153,19 +159,17 @@ def lp_files_together(options: dict, layers: int) -> Iterator[dict]:
     the block ends without error (Ctrl-C held back meanwhile). A run that fails or is
     stopped part-way leaves every earlier LP file as it was, where each layer's file
     replaced its own as it was solved (the first layers new, the rest old)."""
-    ilp = options.get("ilp")
-    lp_path = ilp.get("lp_path") if isinstance(ilp, dict) else None
-    if not isinstance(ilp, dict) or not isinstance(lp_path, str):
+    lp_path = lp_path_option(options)
+    if lp_path is None:
         yield options
         return
     final = check_lp_path(lp_path)
-    made = [d for d in (final.parent, *final.parent.parents) if not d.exists()]
-    final.parent.mkdir(parents=True, exist_ok=True)
+    made = make_folders_for(final)
     stage = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     moved = False
     try:
         staged = stage / final.name
-        yield {**options, "ilp": {**ilp, "lp_path": str(staged)}}
+        yield {**options, "ilp": {**options["ilp"], "lp_path": str(staged)}}
         with signals_deferred():
             for layer in range(layers):
                 written = layer_lp_path(staged, layer)
@@ -174,11 +178,16 @@ def lp_files_together(options: dict, layers: int) -> Iterator[dict]:
                     moved = True
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-        for folder in made if not moved else ():  # the folders made for them, if still empty
-            try:
-                folder.rmdir()
-            except OSError:
-                break
+        if not moved:
+            remove_empty_folders(made)
+
+
+def lp_path_option(options: dict) -> str | None:
+    """The ILP's ``lp_path`` in per-method ``options`` (``{"ilp": {"lp_path": ...}}``), if
+    it is a string; None otherwise (the solver's own check words a wrong kind)."""
+    ilp = options.get("ilp")
+    lp_path = ilp.get("lp_path") if isinstance(ilp, dict) else None
+    return lp_path if isinstance(lp_path, str) else None
 
 
 def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:

@@ -71,7 +71,7 @@ from pathlib import Path
 import numpy as np
 
 from planner._checks import is_integer
-from planner._io import atomic_path
+from planner._io import atomic_path, refuse_existing
 from planner.errors import InputError, MismatchError, SchemaError
 from planner.trace.io import (
     TraceBatch,
@@ -562,10 +562,7 @@ def ingest_sglang(
     holding one, or a directory of another kind).
     """
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise InputError(
-            f"{out}: already exists; choose another path or pass --force (overwrite=True from Python)"
-        )
+    refuse_existing(out, overwrite)
     if not is_integer(rows_per_part) or rows_per_part < 1:
         raise InputError(f"sglang: rows_per_part={rows_per_part!r} must be a positive integer")
     rows_per_part = int(rows_per_part)

@@ -45,7 +45,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from planner._checks import is_finite_number, is_integer
-from planner._io import atomic_path
+from planner._io import atomic_path, refuse_existing
 from planner._progress import progress_bar
 from planner.errors import InputError
 from planner.trace.io import TraceBatch, check_trace_output, open_trace
@@ -544,10 +544,7 @@ def synthesize(
     out = Path(out)
     if not is_integer(rows_per_part) or rows_per_part < 1:
         raise InputError(f"synth: rows_per_part={rows_per_part!r} must be a positive integer")
-    if out.exists() and not overwrite:
-        raise InputError(
-            f"{out}: already exists; choose another path or pass --force (overwrite=True from Python)"
-        )
+    refuse_existing(out, overwrite)
     # --force replaces an earlier trace only: never another file, nor a non-empty directory
     # of another kind.
     single = check_trace_output(out)
