@@ -1,6 +1,6 @@
 """Re-planning a deployed model: experts moved against balanced LAR, by move cost; JSON.
 
-The nightly job's situation (README, "Re-planning a deployed model"): a plan is serving,
+The nightly job's situation (docs/serving.md, "Re-planning a deployed model"): a plan is serving,
 fresh traces arrive, and a plan solved again from them is rolled out only if it is better,
 moving as few experts as that needs. Each source trace is cut by request into thirds A, B
 and C (``moeplan trace split``, seed ``--seed``). The deployed plan is CEO's, fitted on A

@@ -1,5 +1,5 @@
 """Every figure of ``moeplan evaluate`` against a slow per-token reference written from
-DESIGN.md "Metrics" and the README's Metrics section (plain loops sharing no code with the
+DESIGN.md "Metrics" and docs/metrics.md (plain loops sharing no code with the
 evaluator or the runtime shim), over many small random traces and bundles: the balanced LAR
 with its per-batch cap, imbalances, remote fraction, all-to-all bytes, per-layer rows, the
 overall figures and the per-request counts; the runtime's capacity rule and route() against
@@ -79,7 +79,7 @@ def _cap(tokens: int, ep: int, slack: float) -> int:
 
 
 def _assign_reference(choice, conf, second, second_conf, cap: int, ep: int) -> list[int]:
-    """The README's capacity rule on one batch of one layer, one token at a time.
+    """The capacity rule of docs/metrics.md on one batch of one layer, one token at a time.
 
     The most confident ``cap`` tokens of each device keep it (ties: earlier first); each
     overflowing token then goes to its second choice where that has room (a device's free
@@ -424,7 +424,7 @@ def test_a_last_batch_nearly_full_counts_in_the_worst_batch_imbalance(tmp_path):
 
 
 def test_capacity_rule_matches_the_reference():
-    """The runtime's assign_with_capacity against the rule as the README states it, with
+    """The runtime's assign_with_capacity against the rule as docs/metrics.md states it, with
     many confidence ties and second choices competing for the same free slots."""
     rng = np.random.default_rng(0)
     for trial in range(300):
