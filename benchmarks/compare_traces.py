@@ -11,7 +11,9 @@ paired-bootstrap interval over the held-out requests
 (:func:`planner.evaluate.compare.ratio_interval`); the summary gives the minimum and mean
 ratio, the cases CEO loses, and those it loses beyond that interval, and how each method
 (CEO and every baseline) fares against the best of the other three
-(``each_over_best_of_the_rest``). The same plans are also
+(``each_over_best_of_the_rest``), and how far CEO's ratios spread from case to case against
+the held-out requests' noise, with the losses each would bring at CEO's mean lead
+(``what_every_case_asks``). The same plans are also
 scored on the fitting half (``lar_balanced_fitting``, ``ceo_losses_fitting``): a case CEO
 loses there too is lost by its search or objective; one lost only held out, by how the plan
 carries over to new requests. About 40 s per case on 2 cores.
@@ -54,10 +56,12 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import NormalDist
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -101,6 +105,8 @@ SOURCES = tuple(EP_SIZES)  # every --sources name
 NGRAMS = ("top1", "routed")  # the n-gram statistics fit can count (FitConfig.ngram_routed)
 METHODS = ["ceo", "metis", "kmeans", "alternating", "vanilla"]
 BASELINES = ("metis", "kmeans", "alternating")
+# z of a two-sided 90% interval: its half-width over the standard error it implies.
+_Z90 = NormalDist().inv_cdf(0.95)
 
 
 def source_trace(name: str, work: Path) -> Path:
@@ -223,6 +229,36 @@ def against_the_rest(cases: list[dict]) -> dict:
             for c in cases
         ]
         out[m] = {"mean": sum(ratios) / len(ratios), "wins": sum(r >= 1 for r in ratios)}
+    return out
+
+
+def what_every_case_asks(cases: list[dict]) -> dict:
+    """CEO's ratios to the best baseline: how far they spread from case to case, against the
+    noise of which requests were held out, and the losses each would bring at CEO's mean lead.
+
+    ``heldout_noise_sd`` is the median over cases of the standard error a case's 90% interval
+    implies (its width / (2 * 1.645)); ``losses_expected_from_noise`` sums, over cases, the
+    chance that a normal of the mean ratio and that case's standard error falls below 1: the
+    losses a method leading by its mean in every case would still have. ``losses_expected_
+    from_spread`` is the count times that chance for the spread across cases, and
+    ``lead_for_half_a_loss`` the mean lead the spread asks for fewer than half a loss to be
+    expected over these cases. None where a figure needs more cases or intervals than given.
+    """
+    ratios = [c["ceo_over_best_baseline"] for c in cases]
+    count, mean = len(ratios), sum(ratios) / len(ratios)
+    errors = sorted(
+        (ci[1] - ci[0]) / (2 * _Z90) for c in cases if (ci := c["ceo_over_best_baseline_ci90"])
+    )
+    below = NormalDist().cdf
+    out: dict = {"ratio_sd": None, "heldout_noise_sd": None, "losses_expected_from_noise": None}
+    out |= {"losses_expected_from_spread": None, "lead_for_half_a_loss": None}
+    if errors:
+        out["heldout_noise_sd"] = statistics.median(errors)
+        out["losses_expected_from_noise"] = sum(below((1 - mean) / e) for e in errors if e > 0)
+    if count >= 2 and (sd := statistics.stdev(ratios)) > 0:
+        out["ratio_sd"] = sd
+        out["losses_expected_from_spread"] = count * below((1 - mean) / sd)
+        out["lead_for_half_a_loss"] = -NormalDist().inv_cdf(0.5 / count) * sd
     return out
 
 
@@ -388,6 +424,7 @@ def main(argv=None) -> int:
                 if c["ceo_over_best_baseline_fitting"] < 1
             ],
             "each_over_best_of_the_rest": against_the_rest(cases),
+            "what_every_case_asks": what_every_case_asks(cases),
             "seconds": round(time.perf_counter() - started, 1),
         },
         "cases": cases,
