@@ -56,12 +56,11 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from statistics import NormalDist
+from statistics import NormalDist, median, stdev
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -239,23 +238,26 @@ def what_every_case_asks(cases: list[dict]) -> dict:
     ``heldout_noise_sd`` is the median over cases of the standard error a case's 90% interval
     implies (its width / (2 * 1.645)); ``losses_expected_from_noise`` sums, over cases, the
     chance that a normal of the mean ratio and that case's standard error falls below 1: the
-    losses a method leading by its mean in every case would still have. ``losses_expected_
-    from_spread`` is the count times that chance for the spread across cases, and
+    losses a method leading by its mean in every case would still have.
+    ``losses_expected_from_spread`` is the count times that chance for the spread across
+    cases, and
     ``lead_for_half_a_loss`` the mean lead the spread asks for fewer than half a loss to be
     expected over these cases. None where a figure needs more cases or intervals than given.
     """
     ratios = [c["ceo_over_best_baseline"] for c in cases]
     count, mean = len(ratios), sum(ratios) / len(ratios)
-    errors = sorted(
+    errors = [
         (ci[1] - ci[0]) / (2 * _Z90) for c in cases if (ci := c["ceo_over_best_baseline_ci90"])
-    )
+    ]
     below = NormalDist().cdf
-    out: dict = {"ratio_sd": None, "heldout_noise_sd": None, "losses_expected_from_noise": None}
-    out |= {"losses_expected_from_spread": None, "lead_for_half_a_loss": None}
+    out: dict = dict.fromkeys(
+        ("ratio_sd", "heldout_noise_sd", "losses_expected_from_noise")
+        + ("losses_expected_from_spread", "lead_for_half_a_loss")
+    )
     if errors:
-        out["heldout_noise_sd"] = statistics.median(errors)
+        out["heldout_noise_sd"] = median(errors)
         out["losses_expected_from_noise"] = sum(below((1 - mean) / e) for e in errors if e > 0)
-    if count >= 2 and (sd := statistics.stdev(ratios)) > 0:
+    if count >= 2 and (sd := stdev(ratios)) > 0:
         out["ratio_sd"] = sd
         out["losses_expected_from_spread"] = count * below((1 - mean) / sd)
         out["lead_for_half_a_loss"] = -NormalDist().inv_cdf(0.5 / count) * sd
