@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -30,6 +33,24 @@ def child_env(**extra: str) -> dict[str, str]:
     would otherwise import whatever ``planner`` is installed, or none), plus ``extra``."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     return dict(os.environ, PYTHONPATH=path, **extra)
+
+
+def load_script(path: Path, name: str) -> ModuleType:
+    """The Python file at ``path`` (a benchmark or example script, not a package module),
+    imported as ``name`` and registered in ``sys.modules`` (dataclasses look their module up
+    there), with its own folder on ``sys.path`` while it runs, for the helpers it imports from
+    beside it (``benchmarks/_common.py``)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    folder = str(Path(path).parent)
+    sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(folder)
+    return module
 
 
 def synth_predictor(directory: Path, config) -> Path:

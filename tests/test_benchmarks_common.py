@@ -4,7 +4,6 @@ one-line refusal of bad arguments before any work."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -12,18 +11,14 @@ from pathlib import Path
 import pytest
 
 from planner.errors import InputError
-from tests.conftest import child_env
+from tests.conftest import child_env, load_script
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 _PATH = BENCHMARKS / "_common.py"
 
 
 def _common():
-    spec = importlib.util.spec_from_file_location("benchmarks_common", _PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(_PATH, "benchmarks_common")
 
 
 def _run():

@@ -3,28 +3,18 @@ out by hand."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import load_script
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def compare_traces():
-    sys.path.insert(0, str(BENCHMARKS))  # the script imports _common from beside it
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "compare_traces", BENCHMARKS / "compare_traces.py"
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return module
+    return load_script(BENCHMARKS / "compare_traces.py", "compare_traces")
 
 
 def _case(ratio, ci):

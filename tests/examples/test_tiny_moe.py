@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 from planner.profile.prompts import read_prompts
-from tests.conftest import child_env
+from tests.conftest import child_env, load_script
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_PY = REPO / "examples" / "tiny_moe" / "train.py"
@@ -23,15 +22,7 @@ PROMPTS = REPO / "examples" / "prompts.jsonl"
 MAX_SAFETENSORS_BYTES = 25 * 1000 * 1000
 
 
-def _load_train_module():
-    spec = importlib.util.spec_from_file_location("tiny_moe_train", TRAIN_PY)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-train_mod = _load_train_module()
+train_mod = load_script(TRAIN_PY, "tiny_moe_train")
 
 
 def _prompt_objects() -> list[dict]:
