@@ -251,8 +251,13 @@ def what_every_case_asks(cases: list[dict]) -> dict:
     ]
     below = NormalDist().cdf
     out: dict = dict.fromkeys(
-        ("ratio_sd", "heldout_noise_sd", "losses_expected_from_noise")
-        + ("losses_expected_from_spread", "lead_for_half_a_loss")
+        (
+            "ratio_sd",
+            "heldout_noise_sd",
+            "losses_expected_from_noise",
+            "losses_expected_from_spread",
+            "lead_for_half_a_loss",
+        )
     )
     if errors:
         out["heldout_noise_sd"] = median(errors)
