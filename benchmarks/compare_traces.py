@@ -240,9 +240,8 @@ def what_every_case_asks(cases: list[dict]) -> dict:
     chance that a normal of the mean ratio and that case's standard error falls below 1: the
     losses a method leading by its mean in every case would still have.
     ``losses_expected_from_spread`` is the count times that chance for the spread across
-    cases, and
-    ``lead_for_half_a_loss`` the mean lead the spread asks for fewer than half a loss to be
-    expected over these cases. None where a figure needs more cases or intervals than given.
+    cases, and ``lead_for_half_a_loss`` the mean lead the spread asks for fewer than half a
+    loss to be expected over these cases. None where a figure needs more cases or intervals than given.
     """
     ratios = [c["ceo_over_best_baseline"] for c in cases]
     count, mean = len(ratios), sum(ratios) / len(ratios)
