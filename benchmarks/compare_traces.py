@@ -38,6 +38,12 @@ traces of other shapes may look like: ``--sources synth-mixtral,synth-gptoss,syn
 deepseek-v3 --layers 8 --tokens 100000 --requests 400`` (256 experts, top-8, vocabulary
 129k, planted token groups; EP 8, 32), about 80 s a case.
 
+``--split fresh --sources example`` fits on the whole of the example's trace and holds out
+a second trace, profiled here from ``examples/prompts_fresh.jsonl`` (320 more prompts of
+the same four domains that share no chunk with the first: ``train.py --prompts-only
+--fresh-prompts-out``), and then the other way round: the workflow of profiling once and
+serving traffic nobody profiled, 12 cases.
+
 ``--no-embeddings`` fits without the input embeddings a profiled trace carries (``moeplan
 fit --no-embeddings``), as for a trace profiled without ``--save-embeddings`` or ingested:
 unseen tokens then have no neighbour to borrow a device from, and the n-gram table routes
@@ -123,13 +129,14 @@ def source_trace(name: str, work: Path) -> Path:
         config = preset_config("deepseek-v3", num_layers=8, num_tokens=100_000, num_requests=400)
         out = work / name
         return out if out.exists() else synthesize(config, out)
-    if name != "example":
+    if name not in ("example", "example-fresh"):
         raise InputError(f"unknown source {name!r}; choose from {', '.join(SOURCES)}")
-    out = work / "example_trace"
+    prompts = "prompts_fresh.jsonl" if name == "example-fresh" else "prompts.jsonl"
+    out = work / f"{name.replace('-', '_')}_trace"
     if not out.exists():
         profile_model(
             REPO / "examples" / "tiny_moe" / "model",
-            REPO / "examples" / "prompts.jsonl",
+            REPO / "examples" / prompts,
             out,
             ProfileConfig(save_embeddings=True),
             progress=False,
@@ -153,17 +160,23 @@ def run_case(
     embeddings: bool = True,
     holdout: float = 0.5,
     polish: bool = False,
+    heldout_trace: Path | None = None,
 ) -> dict:
     """One case: split ``trace`` (the ``holdout`` share of its requests held out, drawn with
     ``seed``, or ``heldout_domain`` held out whole), fit on the fitting side, compare every
-    method on the held-out side."""
+    method on the held-out side. With ``heldout_trace``, fit on the whole of ``trace`` and
+    hold out that other trace."""
     name = (
         f"{trace.stem}_{seed}_{holdout}"
         if heldout_domain is None
         else f"{trace.stem}_dom_{heldout_domain}"
     )
     held, fitting = work / f"{name}_held", work / f"{name}_fit"
-    if heldout_domain is None:
+    if heldout_trace is not None:
+        held, fitting = heldout_trace, trace
+        fit = FitConfig(ngram_routed=ngram == "routed", auto_embeddings=embeddings)
+        predictor = fit_predictor(fitting, fit).predictor
+    elif heldout_domain is None:
         if not held.exists():
             split_trace(trace, fitting, held, holdout, seed=seed)
         fit = FitConfig(
@@ -194,8 +207,14 @@ def run_case(
     rows = {r["method"]: r for r in result["rows"]}
     best = max(BASELINES, key=lambda m: rows[m]["lar_balanced"])
     fit_lar = {m: r["lar_balanced_fitting"] for m, r in rows.items()}
+    if heldout_trace is not None:
+        label = f"{trace.name.removesuffix('_trace')}->{heldout_trace.name.removesuffix('_trace')}"
+    elif heldout_domain is not None:
+        label = f"domain {heldout_domain}"
+    else:
+        label = seed
     return {
-        "seed": seed if heldout_domain is None else f"domain {heldout_domain}",
+        "seed": label,
         "ngram": ngram,
         "ep": ep,
         "lar_balanced": {m: r["lar_balanced"] for m, r in rows.items()},
@@ -316,10 +335,12 @@ def main(argv=None) -> int:
     )
     ap.add_argument(
         "--split",
-        choices=("request", "domain"),
+        choices=("request", "domain", "fresh"),
         default="request",
         help="request (default): 50/50 by request per seed; domain: hold out each domain in "
-        "turn (traces with a domain column: example and the synthetic shapes; --seeds unused)",
+        "turn (traces with a domain column: example and the synthetic shapes; --seeds unused); "
+        "fresh: fit on the example's whole trace, hold out one profiled from "
+        "examples/prompts_fresh.jsonl, and the other way round (--sources example only)",
     )
     ap.add_argument(
         "--no-embeddings",
@@ -343,6 +364,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     # the settings of every case, checked before any trace is made or split
     check_fraction(args.holdout)
+    if args.split == "fresh" and args.sources != ["example"]:
+        raise InputError("--split fresh needs --sources example (the one model profiled here)")
     for ep in args.ep or sorted({e for s in args.sources for e in EP_SIZES[s]}):
         PlanConfig(
             ep_size=ep, jobs=args.jobs, ngram_weight=args.ngram_weight,
@@ -356,11 +379,18 @@ def main(argv=None) -> int:
         for source in args.sources:
             trace = source_trace(source, work)
             eps = args.ep or EP_SIZES[source]
-            if args.split == "domain":
+            pairs = [(trace, None)]  # (fitting trace, held-out trace) for --split fresh
+            if args.split == "fresh":
+                fresh = source_trace("example-fresh", work)
+                pairs = [(trace, fresh), (fresh, trace)]
+                splits = [(0, None)]
+            elif args.split == "domain":
                 splits = [(0, d) for d in trace_domains(open_trace(trace))]
             else:
                 splits = [(s, None) for s in args.seeds]
-            for seed, domain in splits:
+            for (trace, heldout_trace), (seed, domain) in (
+                (pair, split) for pair in pairs for split in splits
+            ):
                 for ngram in args.ngram:
                     for ep in eps:
                         case = {
@@ -381,6 +411,7 @@ def main(argv=None) -> int:
                                 not args.no_embeddings,
                                 args.holdout,
                                 args.polish_baselines,
+                                heldout_trace,
                             ),
                         }
                         cases.append(case)

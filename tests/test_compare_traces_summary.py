@@ -49,3 +49,12 @@ def test_one_case_or_no_interval_gives_none(compare_traces):
     got = compare_traces.what_every_case_asks([_case(1.01, None), _case(1.03, [1.0, 1.06])])
     assert got["heldout_noise_sd"] == pytest.approx(0.06 / (2 * compare_traces._Z90))
     assert got["ratio_sd"] == pytest.approx(0.0141421, abs=1e-6)
+
+
+def test_a_fresh_split_needs_the_example_and_says_so_before_any_work(compare_traces):
+    """Only the example's model can be profiled on the fresh prompts: any other source is
+    one error before a trace is made."""
+    from planner.errors import InputError
+
+    with pytest.raises(InputError, match="--split fresh needs --sources example"):
+        compare_traces.main(["--split", "fresh", "--sources", "flame,example"])

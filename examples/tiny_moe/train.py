@@ -20,6 +20,8 @@ Run (from the repository root)::
     python examples/tiny_moe/train.py                  # full run -> examples/tiny_moe/model
     python examples/tiny_moe/train.py --quick --out D  # about a minute, for smoke tests
     python examples/tiny_moe/train.py --prompts-only   # only rewrite examples/prompts.jsonl
+    python examples/tiny_moe/train.py --prompts-only \
+        --fresh-prompts-out examples/prompts_fresh.jsonl  # and the second, disjoint set
 
 Everything is seeded (``--seed``); the same machine and library versions give the same model.
 """
@@ -60,6 +62,8 @@ DOMAINS = ("python", "prose", "c", "numeric")
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "model"
 DEFAULT_PROMPTS = HERE.parent / "prompts.jsonl"
+# A second set drawn from the chunks the first left out: traffic no plan was fitted on.
+DEFAULT_FRESH_PROMPTS = HERE.parent / "prompts_fresh.jsonl"
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 HELDOUT_ONE_IN = 8  # one document in eight is held out
 PROMPT_MIN_CHARS, PROMPT_MAX_CHARS = 100, 600
@@ -549,11 +553,14 @@ def make_prompts(
     domain_to_train_text: dict[str, str],
     per_domain: int,
     seed: int,
+    fresh: bool = False,
 ) -> list[dict]:
     """``per_domain`` prompts per domain from held-out documents, spread evenly over them.
 
     A chunk that also occurs verbatim in the domain's training text (licence boilerplate,
-    include guards) is skipped, so every prompt is unseen text.
+    include guards) is skipped, so every prompt is unseen text. ``fresh`` draws the same
+    number, spread evenly too, from the chunks the default set did not pick: a second set
+    of requests sharing no chunk with the first (ids ``<domain>-fresh-NNN``).
     """
     rng = np.random.default_rng(seed)
     prompts = []
@@ -569,10 +576,19 @@ def make_prompts(
                 f"fewer than the {per_domain} asked for; raise heldout_chars_per_domain"
             )
         picks = np.linspace(0, len(candidates) - 1, per_domain).round().astype(int)
+        if fresh:
+            candidates = [c for i, c in enumerate(candidates) if i not in set(picks.tolist())]
+            if len(candidates) < per_domain:
+                raise RuntimeError(
+                    f"domain {domain!r} has only {len(candidates)} held-out chunks left for a "
+                    f"fresh set of {per_domain}; raise heldout_chars_per_domain"
+                )
+            picks = np.linspace(0, len(candidates) - 1, per_domain).round().astype(int)
+        tag = f"{domain}-fresh" if fresh else domain
         for j, idx in enumerate(picks):
             source, text = candidates[idx]
             prompts.append(
-                {"id": f"{domain}-{j:03d}", "domain": domain, "source": source, "text": text}
+                {"id": f"{tag}-{j:03d}", "domain": domain, "source": source, "text": text}
             )
     return prompts
 
@@ -704,14 +720,23 @@ def build_corpus(cfg: TrainConfig) -> tuple[dict[str, list[Document]], dict[str,
     return domain_to_train, domain_to_heldout
 
 
-def run(cfg: TrainConfig, out: Path, prompts_out: Path | None, prompts_only: bool) -> dict:
+def run(
+    cfg: TrainConfig,
+    out: Path,
+    prompts_out: Path | None,
+    prompts_only: bool,
+    fresh_prompts_out: Path | None = None,
+) -> dict:
     t_start = time.monotonic()
     domain_to_train, domain_to_heldout = build_corpus(cfg)
     train_text = {d: "\n".join(doc.text for doc in domain_to_train[d]) for d in DOMAINS}
-    prompts = make_prompts(domain_to_heldout, train_text, cfg.prompts_per_domain, cfg.seed)
-    if prompts_out is not None:
-        write_prompts(prompts_out, prompts)
-        print(f"wrote {len(prompts)} prompts to {prompts_out}", file=sys.stderr)
+    for path, fresh in ((prompts_out, False), (fresh_prompts_out, True)):
+        if path is not None:
+            prompts = make_prompts(
+                domain_to_heldout, train_text, cfg.prompts_per_domain, cfg.seed, fresh=fresh
+            )
+            write_prompts(path, prompts)
+            print(f"wrote {len(prompts)} prompts to {path}", file=sys.stderr)
     if prompts_only:
         return {}
 
@@ -824,6 +849,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts-out", type=Path, default=None, help=f"default {DEFAULT_PROMPTS}")
     parser.add_argument("--quick", action="store_true", help="a one-minute smoke run")
     parser.add_argument("--prompts-only", action="store_true", help="only write the prompts")
+    parser.add_argument(
+        "--fresh-prompts-out",
+        type=Path,
+        default=None,
+        help="also write a second, disjoint set of prompts (the committed one: "
+        f"{DEFAULT_FRESH_PROMPTS})",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -838,7 +870,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts_out = args.prompts_out or DEFAULT_PROMPTS
     torch.set_num_threads(cfg.num_threads)
     torch.use_deterministic_algorithms(True)  # bit-identical reruns on the same machine
-    log = run(cfg, out, prompts_out, args.prompts_only)
+    log = run(cfg, out, prompts_out, args.prompts_only, args.fresh_prompts_out)
     if log:
         res = log["results"]
         print(

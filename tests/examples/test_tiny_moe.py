@@ -19,14 +19,15 @@ REPO = Path(__file__).resolve().parents[2]
 TRAIN_PY = REPO / "examples" / "tiny_moe" / "train.py"
 MODEL_DIR = REPO / "examples" / "tiny_moe" / "model"
 PROMPTS = REPO / "examples" / "prompts.jsonl"
+FRESH_PROMPTS = REPO / "examples" / "prompts_fresh.jsonl"
 MAX_SAFETENSORS_BYTES = 25 * 1000 * 1000
 
 
 train_mod = load_script(TRAIN_PY, "tiny_moe_train")
 
 
-def _prompt_objects() -> list[dict]:
-    return [json.loads(line) for line in PROMPTS.read_text(encoding="utf-8").splitlines()]
+def _prompt_objects(path: Path = PROMPTS) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +113,9 @@ def test_training_log_matches_committed_model(model_and_tokenizer):
 # --- prompts.jsonl ------------------------------------------------------------------------
 
 
-def test_prompts_file_is_valid_and_balanced():
-    objs = _prompt_objects()
+@pytest.mark.parametrize("path", [PROMPTS, FRESH_PROMPTS], ids=["prompts", "fresh"])
+def test_prompts_file_is_valid_and_balanced(path):
+    objs = _prompt_objects(path)
     assert 200 <= len(objs) <= 400
     assert len({o["id"] for o in objs}) == len(objs)
     for o in objs:
@@ -123,12 +125,37 @@ def test_prompts_file_is_valid_and_balanced():
     counts = {d: sum(o["domain"] == d for o in objs) for d in train_mod.DOMAINS}
     assert len(set(counts.values())) == 1, counts
     # The profiler's reader accepts it as is.
-    assert len(read_prompts(PROMPTS)) == len(objs)
+    assert len(read_prompts(path)) == len(objs)
 
 
-def test_prompts_come_from_heldout_documents():
-    objs = _prompt_objects()
+@pytest.mark.parametrize("path", [PROMPTS, FRESH_PROMPTS], ids=["prompts", "fresh"])
+def test_prompts_come_from_heldout_documents(path):
+    objs = _prompt_objects(path)
     assert all(train_mod.is_heldout(o["source"]) for o in objs)
+
+
+def test_fresh_prompts_share_no_prompt_with_the_first_set():
+    """The second set is traffic no plan fitted on the first was shown: no text, no id."""
+    first, fresh = _prompt_objects(PROMPTS), _prompt_objects(FRESH_PROMPTS)
+    assert not {o["text"] for o in first} & {o["text"] for o in fresh}
+    assert not {o["id"] for o in first} & {o["id"] for o in fresh}
+    assert all(o["id"].startswith(f"{o['domain']}-fresh-") for o in fresh)
+
+
+def test_fresh_prompts_are_drawn_from_the_chunks_the_first_set_left():
+    # Twelve one-chunk documents per domain: the first set takes chunks 0, 4, 7 and 11.
+    heldout = {
+        d: [train_mod.Document(d, f"doc{i}", "word " * 40 + "\n") for i in range(12)]
+        for d in train_mod.DOMAINS
+    }
+    text = dict.fromkeys(train_mod.DOMAINS, "")
+    first = train_mod.make_prompts(heldout, text, 4, seed=0)
+    fresh = train_mod.make_prompts(heldout, text, 4, seed=0, fresh=True)
+    c_sources = [o["source"] for o in first if o["domain"] == "c"]
+    assert c_sources == ["doc0", "doc4", "doc7", "doc11"]
+    assert [o["source"] for o in fresh if o["domain"] == "c"] == ["doc1", "doc3", "doc8", "doc10"]
+    with pytest.raises(RuntimeError, match="left for a fresh set"):
+        train_mod.make_prompts(heldout, text, 7, seed=0, fresh=True)
 
 
 # --- train.py helpers ----------------------------------------------------------------------
@@ -196,8 +223,10 @@ def test_prompts_regenerate_identically(tmp_path):
     log = json.loads((MODEL_DIR / "training_log.json").read_text())
     if log["versions"]["python"] != sys.version.split()[0]:
         pytest.skip(f"prompts were drawn from Python {log['versions']['python']}'s stdlib")
-    out = tmp_path / "prompts.jsonl"
+    out, fresh = tmp_path / "prompts.jsonl", tmp_path / "prompts_fresh.jsonl"
     cmd = [sys.executable, str(TRAIN_PY), "--prompts-only", "--prompts-out", str(out)]
+    cmd += ["--fresh-prompts-out", str(fresh)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=child_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert out.read_bytes() == PROMPTS.read_bytes()
+    assert fresh.read_bytes() == FRESH_PROMPTS.read_bytes()
