@@ -41,6 +41,7 @@ COSTS: dict[str, tuple[float, float, float]] = {
     "batch_overflow": (20.0, 0.028, 0.0),  # entry: a batch entry or a token x device
     "ce_joint": (100.0, 0.05, 0.0),  # call: a sample; entry: nonzeros and items x devices
     "chain_swaps": (800.0, 0.016, 0.0),  # call: a chain-polish round; entry: swap x its width
+    "two_device_bound": (50.0, 0.065, 0.0),  # entry: a token row x a placement
 }
 
 

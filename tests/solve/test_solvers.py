@@ -211,8 +211,11 @@ def test_ceo_with_one_expert_a_device_does_not_search(e: int) -> None:
     np.testing.assert_array_equal(p.expert_to_device, np.arange(8) // (8 // e))
     for method in ("metis", "kmeans", "alternating"):
         assert p.objective >= solve_layer(problem, method, SolverConfig(seed=1)).objective
-    searched = solve_layer(random_problem(300, 8, 4, top_k=2, seed=4), "ceo", config())
+    two_a_device = random_problem(300, 8, 4, top_k=2, seed=4)
+    searched = solve_layer(two_a_device, "ceo", config(ceo=FAST["ceo"] | {"enumerate": False}))
     assert not searched.info["search_skipped"] and searched.info["iterations"] > 0
+    enumerated = solve_layer(two_a_device, "ceo", config())  # 105 placements: all scored
+    assert not enumerated.info["search_skipped"] and enumerated.info["enumerated"]
     # nor does k-means restart its clustering (16 restarts a layer took 87 of 96 s on a
     # DeepSeek-V3-shaped model at EP 256)
     km = solve_layer(problem, "kmeans", SolverConfig(seed=1))
