@@ -379,24 +379,21 @@ def main(argv=None) -> int:
         for source in args.sources:
             trace = source_trace(source, work)
             eps = args.ep or EP_SIZES[source]
-            pairs = [(trace, None)]  # (fitting trace, held-out trace) for --split fresh
+            # (trace split or fitted on, held-out trace for --split fresh, seed, domain)
             if args.split == "fresh":
                 fresh = source_trace("example-fresh", work)
-                pairs = [(trace, fresh), (fresh, trace)]
-                splits = [(0, None)]
+                splits = [(trace, fresh, 0, None), (fresh, trace, 0, None)]
             elif args.split == "domain":
-                splits = [(0, d) for d in trace_domains(open_trace(trace))]
+                splits = [(trace, None, 0, d) for d in trace_domains(open_trace(trace))]
             else:
-                splits = [(s, None) for s in args.seeds]
-            for (trace, heldout_trace), (seed, domain) in (
-                (pair, split) for pair in pairs for split in splits
-            ):
+                splits = [(trace, None, s, None) for s in args.seeds]
+            for fitted, heldout_trace, seed, domain in splits:
                 for ngram in args.ngram:
                     for ep in eps:
                         case = {
                             "source": source,
                             **run_case(
-                                trace,
+                                fitted,
                                 work,
                                 seed,
                                 ngram,

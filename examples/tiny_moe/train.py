@@ -577,7 +577,8 @@ def make_prompts(
             )
         picks = np.linspace(0, len(candidates) - 1, per_domain).round().astype(int)
         if fresh:
-            candidates = [c for i, c in enumerate(candidates) if i not in set(picks.tolist())]
+            taken = set(picks.tolist())
+            candidates = [c for i, c in enumerate(candidates) if i not in taken]
             if len(candidates) < per_domain:
                 raise RuntimeError(
                     f"domain {domain!r} has only {len(candidates)} held-out chunks left for a "
