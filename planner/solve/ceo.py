@@ -490,11 +490,7 @@ class _Scorer:
         deadline: float | None = None,
     ):
         self.deadline = deadline  # the samples' polish stops there (a time limit is hard)
-        # the heaviest token rows, and as many heaviest load-free rows (n-gram contexts),
-        # so that neither kind crowds the other out of the scoring set
-        free, count = problem.token_freq == 0, max(1, num_tokens)
-        keep = np.union1d(problem.heaviest_rows(count, ~free), problem.heaviest_rows(count, free))
-        self.problem = problem if keep.size == problem.num_tokens else problem.select_tokens(keep)
+        self.problem = heaviest_part(problem, max(1, num_tokens))  # the scoring set
         self.sweeps = sweeps
         self.local_search = local_search
         self.swaps = swaps
@@ -545,6 +541,19 @@ class _Scorer:
             sub, gain, prices=self.prices, sweeps=self.sweeps, exact=False, effort=effort
         )
         return x, result.token_to_device
+
+
+def heaviest_part(problem: LayerProblem, count: int) -> LayerProblem:
+    """``problem`` on its ``count`` heaviest token rows and as many heaviest load-free rows
+    (n-gram contexts), so that neither kind crowds the other out (itself if that is all)."""
+    free = problem.token_freq == 0
+    keep = np.union1d(problem.heaviest_rows(count, ~free), problem.heaviest_rows(count, free))
+    return problem if keep.size == problem.num_tokens else problem.select_tokens(keep)
+
+
+def _scoring_tokens(problem: LayerProblem, opts: dict) -> int:
+    """The ``score_tokens`` option, else max(1024, 16384 // E): about 16k gain entries."""
+    return int(opts["score_tokens"] or max(1024, 16384 // problem.ep_size))
 
 
 def _score(
@@ -814,8 +823,9 @@ def _enumerate_experts(
     effort: Effort,
     cap: ExpertLimit | None = None,
 ) -> tuple[list[np.ndarray], bool]:
-    """Every balanced placement screened (see :func:`enumerable`) -> (the ``screen`` best,
-    best first; whether the budget or the clock cut the screening short).
+    """Every balanced placement screened (see :func:`enumerable`) -> (the best
+    max(``screen``, :data:`ENUMERATE_SCREEN`), best first; whether the budget or the clock
+    cut the screening short).
 
     Up to :data:`SCORE_ALL` placements are scored as the search scores its samples, without
     their local search (every move leads to another placement scored here). More, on two
@@ -829,11 +839,7 @@ def _enumerate_experts(
         placements = placements[within] if within.any() else placements
     cut = False
     if placements.shape[0] > SCORE_ALL:
-        free = problem.token_freq == 0
-        keep = np.union1d(
-            problem.heaviest_rows(SCREEN_ROWS, ~free), problem.heaviest_rows(SCREEN_ROWS, free)
-        )
-        sub = problem if keep.size == problem.num_tokens else problem.select_tokens(keep)
+        sub = heaviest_part(problem, SCREEN_ROWS)
         chunk = max(1, 2**21 // max(1, sub.num_tokens))
         bounds: list[np.ndarray] = []
         for start in range(0, placements.shape[0], chunk):
@@ -845,7 +851,7 @@ def _enumerate_experts(
         placements = placements[np.argsort(-bound, kind="stable")[:ENUMERATE_KEEP]]
     scorer = _Scorer(
         problem,
-        int(opts["score_tokens"] or max(1024, 16384 // problem.ep_size)),
+        _scoring_tokens(problem, opts),
         int(opts["price_sweeps"]),
         False,
         False,
@@ -914,7 +920,7 @@ def _cross_entropy_experts(
     explore = float(opts["explore"])
     scorer = _Scorer(
         problem,
-        int(opts["score_tokens"] or max(1024, 16384 // problem.ep_size)),
+        _scoring_tokens(problem, opts),
         int(opts["price_sweeps"]),
         bool(opts["local_search"]),
         bool(opts["search_swaps"]),
