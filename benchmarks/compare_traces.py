@@ -20,7 +20,8 @@ carries over to new requests. About 40 s per case on 2 cores.
 
     python benchmarks/compare_traces.py [--seeds 0,1,2] [--sources flame,example]
         [--ngram top1,routed] [--ngram-weight 0.5] [--ceo-options JSON] [--chain-passes 0]
-        [--split request|domain] [--holdout 0.5] [--polish-baselines] [--out FILE]
+        [--split request|domain] [--holdout 0.5] [--polish-baselines] [--batch-prices]
+        [--mixed-heldout] [--out FILE]
 
 ``--holdout F`` holds out the share F of the requests instead of half (0.8: fitted on a
 fifth; 0.2: on four fifths).
@@ -56,6 +57,12 @@ with and without it). ``--chain-passes 2`` gives every method the chain polish
 with (``PlanConfig.polish``), so the ratio shows CEO's search against the baselines given the
 same local search. ``--expert-beta 1.25`` caps every method's expert load (``moeplan solve --expert-beta``);
 each case also records every method's held-out expert-load imbalance.
+``--batch-prices`` ends every method with its tokens priced per fitting batch
+(:mod:`planner.solve.batch_prices`). ``--mixed-heldout`` also scores every plan on the
+held-out requests in a random order (``lar_balanced_mixed``, ``ceo_over_best_baseline_mixed``
+and the summary's ``*_mixed`` figures): the example's trace serves one prompt domain after
+another, so its runtime batches are each of one domain, which real serving, mixing many
+users' requests in a batch, seldom is.
 """
 
 from __future__ import annotations
@@ -67,6 +74,8 @@ import tempfile
 import time
 from pathlib import Path
 from statistics import NormalDist, median, stdev
+
+import numpy as np
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -94,6 +103,7 @@ from planner.profile.runner import ProfileConfig, profile_model  # noqa: E402
 from planner.solve.ngram_term import DEFAULT_WEIGHT  # noqa: E402
 from planner.solve.pipeline import PlanConfig  # noqa: E402
 from planner.trace import open_trace  # noqa: E402
+from planner.trace.io import write_trace  # noqa: E402
 from planner.trace.synth import SynthConfig, preset_config, synthesize  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -161,11 +171,14 @@ def run_case(
     holdout: float = 0.5,
     polish: bool = False,
     heldout_trace: Path | None = None,
+    batch_prices: bool = False,
+    mixed: bool = False,
 ) -> dict:
     """One case: split ``trace`` (the ``holdout`` share of its requests held out, drawn with
     ``seed``, or ``heldout_domain`` held out whole), fit on the fitting side, compare every
     method on the held-out side. With ``heldout_trace``, fit on the whole of ``trace`` and
-    hold out that other trace."""
+    hold out that other trace. With ``mixed`` every plan is also scored on the held-out
+    requests in a random order (:func:`requests_shuffled`)."""
     name = (
         f"{trace.stem}_{seed}_{holdout}"
         if heldout_domain is None
@@ -188,6 +201,12 @@ def run_case(
             split_trace_by_domain(trace, fitting, held, [heldout_domain])
         fit = FitConfig(ngram_routed=ngram == "routed", auto_embeddings=embeddings)
         predictor = fit_predictor(fitting, fit).predictor
+    also = {}
+    if mixed:
+        shuffled = work / f"{Path(held).name}_mixed.parquet"
+        if not shuffled.exists():
+            requests_shuffled(held, shuffled, seed)
+        also["mixed"] = open_trace(shuffled)
     result = compare_methods(
         predictor,
         open_trace(held),
@@ -201,8 +220,10 @@ def run_case(
             ngram_defer=ngram_defer,
             expert_beta=expert_beta,
             polish=polish,
+            batch_prices=batch_prices,
         ),  # fmt: skip
         fitting=open_trace(fitting),
+        also=also,
     )
     rows = {r["method"]: r for r in result["rows"]}
     best = max(BASELINES, key=lambda m: rows[m]["lar_balanced"])
@@ -229,7 +250,30 @@ def run_case(
         "heldout_requests": result["requests"],
         "unseen_tokens": result["unseen_tokens"],
         "oracle_bound": result["oracle_bound"],
+        **(
+            {
+                "lar_balanced_mixed": (
+                    mixed_lar := {m: r["lar_balanced_mixed"] for m, r in rows.items()}
+                ),
+                "ceo_over_best_baseline_mixed": mixed_lar["ceo"]
+                / max(mixed_lar[m] for m in BASELINES),
+            }
+            if mixed
+            else {}
+        ),
     }
+
+
+def requests_shuffled(path: Path, out: Path, seed: int) -> None:
+    """Write the trace at ``path`` with its requests in a random order (drawn with ``seed``),
+    each request's rows kept together in position order: its runtime batches then mix the
+    requests (and domains) that the trace in profile order serves one after another."""
+    trace = open_trace(path)
+    rows = trace.read_all(extras=tuple(trace.extra_columns()))
+    requests = np.unique(rows.request_id)
+    rank = np.zeros(int(requests.max()) + 1, np.int64)
+    rank[np.random.default_rng(seed).permutation(requests)] = np.arange(requests.size)
+    write_trace(out, trace.meta, rows.select(np.lexsort((rows.position, rank[rows.request_id]))))
 
 
 def against_the_rest(cases: list[dict]) -> dict:
@@ -360,6 +404,18 @@ def main(argv=None) -> int:
         help="end METIS, k-means and alternating with CEO's local search (PlanConfig.polish; "
         "default: off)",
     )
+    ap.add_argument(
+        "--batch-prices",
+        action="store_true",
+        help="end every method but vanilla with its tokens priced per fitting batch "
+        "(PlanConfig.batch_prices; default: off)",
+    )
+    ap.add_argument(
+        "--mixed-heldout",
+        action="store_true",
+        help="also score every plan on the held-out requests in a random order, whose "
+        "batches mix what the trace serves one domain at a time (lar_balanced_mixed)",
+    )
     add_out_option(ap)
     args = ap.parse_args(argv)
     # the settings of every case, checked before any trace is made or split
@@ -371,6 +427,7 @@ def main(argv=None) -> int:
             ep_size=ep, jobs=args.jobs, ngram_weight=args.ngram_weight,
             options={"ceo": args.ceo_options}, chain_passes=args.chain_passes,
             expert_beta=args.expert_beta, polish=args.polish_baselines,
+            batch_prices=args.batch_prices,
         )  # fmt: skip
     started = time.perf_counter()
     cases = []
@@ -409,6 +466,8 @@ def main(argv=None) -> int:
                                 args.holdout,
                                 args.polish_baselines,
                                 heldout_trace,
+                                args.batch_prices,
+                                args.mixed_heldout,
                             ),
                         }
                         cases.append(case)
@@ -436,6 +495,8 @@ def main(argv=None) -> int:
             "embeddings": not args.no_embeddings,
             "holdout": args.holdout if args.split == "request" else None,
             "polish_baselines": args.polish_baselines,
+            "batch_prices": args.batch_prices,
+            "mixed_heldout": args.mixed_heldout,
             "ceo_over_best_baseline_min": min(ratios),
             "ceo_over_best_baseline_mean": sum(ratios) / len(ratios),
             "ceo_losses": [
@@ -457,6 +518,23 @@ def main(argv=None) -> int:
                 for c in cases
                 if c["ceo_over_best_baseline_fitting"] < 1
             ],
+            **(
+                {
+                    "ceo_over_best_baseline_mixed_min": min(mixed),
+                    "ceo_over_best_baseline_mixed_mean": sum(mixed) / len(mixed),
+                    "ceo_losses_mixed": [
+                        f"{c['source']} seed {c['seed']} {c['ngram']} EP{c['ep']}"
+                        for c in cases
+                        if c["ceo_over_best_baseline_mixed"] < 1
+                    ],
+                }
+                if (
+                    mixed := [
+                        c["ceo_over_best_baseline_mixed"] for c in cases if args.mixed_heldout
+                    ]
+                )
+                else {}
+            ),
             "each_over_best_of_the_rest": against_the_rest(cases),
             "what_every_case_asks": what_every_case_asks(cases),
             "seconds": round(time.perf_counter() - started, 1),

@@ -147,6 +147,14 @@ def solve(
         help="End the method with the local search CEO ends with (exact expert moves, then "
         "priced swaps; CEO has it already, vanilla stays as it is).",
     ),
+    batch_prices: bool = typer.Option(
+        False,
+        "--batch-prices",
+        help="End the method (not vanilla) with its tokens re-assigned priced per fitting "
+        "batch, so that the runtime's per-batch cap takes back less. Only where the served "
+        "batches will be made up as the fitting trace's are (requests in the same order): "
+        "served mixed, such a plan loses (docs/solvers.md).",
+    ),
     options: str = typer.Option(None, "--options", help="Per-method solver options as JSON."),
     align_to: str = typer.Option(
         None,
@@ -218,7 +226,7 @@ def solve(
     with lp_files_together(opts, pred.meta.num_layers) as solver_opts:
         config = PlanConfig(
             method, ep, beta, seed, jobs, time_limit, ngram_order, solver_opts, ngram_weight,
-            chain_passes, ngram_defer, expert_beta, polish, move_cost,
+            chain_passes, ngram_defer, expert_beta, polish, move_cost, batch_prices,
         )  # fmt: skip
         plan = make_plan(pred, config, progress=not as_json, reference=reference)
         if deployed is not None:
@@ -314,6 +322,9 @@ def compare(
         help="End every method but CEO (which has it) and vanilla with CEO's local search: "
         "CEO's search against baselines given the same local search.",
     ),
+    batch_prices: bool = typer.Option(
+        False, "--batch-prices", help="As in `moeplan solve`; given to every method but vanilla."
+    ),
     options: str = typer.Option(None, "--options", help="Per-method solver options as JSON."),
     fitting: str = typer.Option(
         None,
@@ -347,7 +358,7 @@ def compare(
     with lp_files_together(opts, pred.meta.num_layers) as solver_opts:
         config = PlanConfig(
             names[0], ep, beta, seed, jobs, time_limit, ngram_order, solver_opts, ngram_weight,
-            chain_passes, ngram_defer, expert_beta, polish,
+            chain_passes, ngram_defer, expert_beta, polish, batch_prices=batch_prices,
         )  # fmt: skip
         result = compare_methods(
             pred,

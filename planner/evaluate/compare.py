@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
 
 import numpy as np
 from scipy import stats
@@ -121,13 +122,16 @@ def compare_methods(
     *,
     progress: bool = False,
     fitting: Trace | None = None,
+    also: Mapping[str, Trace] | None = None,
 ) -> dict:
     """One row per method: held-out LAR (balanced, online, token), imbalance, solve time.
 
     With ``fitting`` (the trace the predictor was fitted on), each row also carries
     ``lar_balanced_fitting``, the plan's balanced LAR on that trace: where a method loses
     held out, this says whether it also lost on the data it was solved for (the search or
-    the objective) or only on new requests (generalisation).
+    the objective) or only on new requests (generalisation). Each trace of ``also``
+    (name -> trace) scores every plan too, as ``lar_balanced_<name>``: the same requests
+    served in other batches, say.
 
     Returns ``{"rows": [...], "oracle_bound": float, "lar_vanilla": float,
     "best_baseline": name | None, "requests": R, "unseen_tokens": {...}}`` (the last from
@@ -143,9 +147,12 @@ def compare_methods(
         raise InputError(f"held-out trace {heldout.path} holds no tokens; nothing to compare on")
     if fitting is not None and not fitting.num_rows:
         raise InputError(f"fitting trace {fitting.path} holds no tokens; nothing to score on")
-    for trace in (heldout, fitting):
-        if trace is not None:
-            trace.request_ids()  # a repeated (request, position) is refused before solving
+    also = dict(also or {})
+    for name, other in also.items():
+        predictor.check_compatible(other.meta, f"trace {name!r}")
+    for checked in (heldout, fitting, *also.values()):
+        if checked is not None:
+            checked.request_ids()  # a repeated (request, position) is refused before solving
     eval_config = dataclasses.replace(eval_config or EvalConfig(), per_request=True)
     rows: list[dict] = []
     per_request = {}
@@ -169,6 +176,9 @@ def compare_methods(
                 bundle, fitting, eval_config, progress=progress, oracle=False
             )
             in_sample = {"lar_balanced_fitting": fit_report["overall"]["lar_balanced"]}
+        for name, other in also.items():
+            scored = evaluate_bundle(bundle, other, eval_config, progress=progress, oracle=False)
+            in_sample[f"lar_balanced_{name}"] = scored["overall"]["lar_balanced"]
         rows.append(
             {
                 "method": method,

@@ -42,6 +42,7 @@ COSTS: dict[str, tuple[float, float, float]] = {
     "ce_joint": (100.0, 0.05, 0.0),  # call: a sample; entry: nonzeros and items x devices
     "chain_swaps": (800.0, 0.016, 0.0),  # call: a chain-polish round; entry: swap x its width
     "two_device_bound": (50.0, 0.065, 0.0),  # entry: a token row x a placement
+    "batch_prices": (40.0, 0.01, 0.0),  # entry: a batch entry x device or a token x device
 }
 
 

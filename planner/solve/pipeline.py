@@ -117,6 +117,10 @@ class PlanConfig:
             (:mod:`planner.solve.settle`), e.g. 0.002; 0 (the default) moves experts
             freely. Needs a reference; not with ``vanilla``. The chain polish counts the
             moves too.
+        batch_prices: end every method but ``vanilla`` with its tokens re-assigned priced
+            per fitting batch (:mod:`planner.solve.batch_prices`), so that the runtime's
+            per-batch cap takes back less where the served batches are made up as the
+            fitting batches were (off by default: where they are mixed it loses).
     """
 
     method: str = "ceo"
@@ -133,6 +137,7 @@ class PlanConfig:
     expert_beta: float | None = None
     polish: bool = False
     move_cost: float = 0.0
+    batch_prices: bool = False
 
     def __post_init__(self) -> None:
         check_expert_beta(self.expert_beta)
@@ -150,7 +155,7 @@ class PlanConfig:
             if value is not None and not is_real(value):
                 raise InputError(f"{name}={value!r} must be a number")
             object.__setattr__(self, name, None if value is None else float(value))
-        for name in ("ngram_defer", "polish"):
+        for name in ("ngram_defer", "polish", "batch_prices"):
             value = getattr(self, name)
             if not is_bool(value):
                 raise InputError(f"{name}={value!r} must be true or false")
@@ -182,6 +187,7 @@ class PlanConfig:
             options=self.options,
             expert_beta=self.expert_beta,  # solve_layer leaves vanilla uncapped
             polish=self.polish,
+            batch_prices=self.batch_prices,
         )
 
 

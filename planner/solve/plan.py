@@ -44,6 +44,7 @@ from planner._io import atomic_path, check_output
 from planner._progress import progress_bar
 from planner.errors import InputError, MismatchError, SchemaError
 from planner.predict.ngram import MAX_ORDER
+from planner.solve.batch_prices import batch_priced
 from planner.solve.ceo import model_layer_effort
 from planner.solve.chain import chain_polish
 from planner.solve.highs_child import die_with_parent
@@ -161,7 +162,7 @@ def solve_model(
     def record(layer: int, solved: LayerProblem, placement: LayerPlacement) -> None:
         if deployed is not None:
             placement = no_worse_than_deployed(
-                solved, placement, deployed[layer], config.expert_beta
+                solved, placement, deployed[layer], config.expert_beta, config.batch_prices
             )
             solved = extended.pop(layer)
             placement = without_deployed(solved, placement, deployed[layer])
@@ -214,6 +215,9 @@ def solve_model(
 
             def apply(run: list[int], polished: dict[int, LayerPlacement]) -> None:
                 for layer, placement in polished.items():
+                    # the polish re-assigned the tokens of the layers it changed
+                    if config.batch_prices:
+                        placement = batch_priced(problems[layer], placement)
                     placements[layer] = placement
                 for _ in run:
                     advance()

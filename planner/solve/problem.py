@@ -373,6 +373,11 @@ class SolverConfig:
             (not ``vanilla``, the default deployment as it is;
             :func:`planner.solve.polish.polish_placement`), after the expert-load cap and
             keeping to it, as CEO's polish does.
+        batch_prices: end every method but ``vanilla`` with its tokens re-assigned priced
+            per fitting batch (:mod:`planner.solve.batch_prices`), so that the runtime's
+            per-batch cap takes back less where the served batches are made up as the
+            fitting batches were; off by default (it loses where they are mixed). A
+            predictor without recorded batches is unaffected.
     """
 
     seed: int = 0
@@ -380,6 +385,7 @@ class SolverConfig:
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
     expert_beta: float | None = None
     polish: bool = False
+    batch_prices: bool = False
 
     def __post_init__(self) -> None:
         if not is_seed(self.seed):  # as trace split's and fit's
@@ -396,9 +402,11 @@ class SolverConfig:
                 f"options must be a dict of per-method dicts, got {type(self.options).__name__}"
             )
         check_expert_beta(self.expert_beta)
-        if not is_bool(self.polish):
-            raise InputError(f"polish={self.polish!r} must be true or false")
-        self.polish = bool(self.polish)
+        for name in ("polish", "batch_prices"):
+            value = getattr(self, name)
+            if not is_bool(value):
+                raise InputError(f"{name}={value!r} must be true or false")
+            setattr(self, name, bool(value))
 
     def for_method(self, method: str) -> dict[str, Any]:
         """The option dict of one method (empty when none were given)."""
@@ -422,6 +430,7 @@ class SolverConfig:
             "options": self.options,
             "expert_beta": self.expert_beta,
             "polish": self.polish,
+            "batch_prices": self.batch_prices,
         }
 
 

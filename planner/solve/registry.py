@@ -12,6 +12,7 @@ from typing import Any
 
 from planner.errors import InputError
 from planner.solve import alternating, ceo, ilp, kmeans, metis, vanilla
+from planner.solve.batch_prices import batch_priced
 from planner.solve.common import check_options
 from planner.solve.expert_balance import cap_expert_load
 from planner.solve.polish import polish_placement
@@ -92,6 +93,9 @@ def solve_layer(
     deployment as it is). With ``config.polish`` the result of a method other than CEO
     (which ends with it) and ``vanilla`` is then improved by the shared local search
     (:func:`planner.solve.polish.polish_placement`), which keeps to the cap as CEO's does.
+    With ``config.batch_prices`` every method but ``vanilla`` ends with its tokens
+    re-assigned priced per fitting batch (:mod:`planner.solve.batch_prices`), so that less
+    is taken back by the runtime's per-batch cap; the placement stays its own.
 
     A layer with no token load to place (e.g. a trace whose tokens are all unknown: only
     load-free n-gram context rows, or none) gets the default deployment whatever the
@@ -108,4 +112,6 @@ def solve_layer(
         placement = cap_expert_load(problem, placement, config.expert_beta)
     if config.polish and method not in ("ceo", "vanilla"):  # (CEO ends with it already)
         placement = polish_placement(problem, placement, config)  # within the cap, as CEO's
+    if config.batch_prices and method != "vanilla":
+        placement = batch_priced(problem, placement)
     return placement

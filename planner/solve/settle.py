@@ -47,6 +47,7 @@ from scipy import sparse
 from planner._checks import is_real
 from planner.errors import InputError, MismatchError
 from planner.solve.align import check_reference, overlap
+from planner.solve.batch_prices import batch_priced
 from planner.solve.common import device_gains, finish, improves, net_objective
 from planner.solve.expert_balance import expert_imbalance
 from planner.solve.problem import LayerPlacement, LayerProblem
@@ -114,12 +115,14 @@ def no_worse_than_deployed(
     placement: LayerPlacement,
     reference: np.ndarray,
     expert_beta: float | None = None,
+    batch_prices: bool = False,
 ) -> LayerPlacement:
     """``placement``, solved on ``problem`` (a :func:`with_deployed` problem), or the
     deployed placement ``reference`` [N] with the shared token assignment where that scores
     at least as high there net of the batch cap (module doc) and, with an expert-load cap
     ``expert_beta``, keeps to it as well as ``placement`` does; ``info["kept_deployed"]``
-    says which."""
+    says which. With ``batch_prices`` the deployed placement's tokens are priced per
+    fitting batch as the solvers' are (:mod:`planner.solve.batch_prices`)."""
     ref = np.asarray(reference, dtype=np.int64)
     if expert_beta is not None:
         allowed = max(expert_beta, expert_imbalance(problem, placement.expert_to_device))
@@ -131,6 +134,8 @@ def no_worse_than_deployed(
     started = time.perf_counter() - placement.seconds
     info = placement.info | {"kept_deployed": True}
     stay = finish(problem, placement.method, ref, seed=placement.seed, started=started, info=info)
+    if batch_prices:
+        stay = batch_priced(problem, stay)
     theirs = net_objective(problem, device_gains(problem, ref), stay.token_to_device)
     if improves(theirs, ours) or theirs == ours:
         return stay

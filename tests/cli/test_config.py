@@ -103,7 +103,7 @@ def test_a_list_goes_to_an_argument_of_several_values_and_a_file_expert_beta_giv
         ("[solv]\nep = 4\n", "[solv] names no command here; tables: compare, evaluate"),
         (
             "[solve]\nepp = 4\n",
-            "'epp' is not an option here; options: align-to, beta, chain-passes, ep,",
+            "'epp' is not an option here; options: align-to, batch-prices, beta, chain-passes, ep,",
         ),
         ("[trace]\nsplit = 1\n", "split must be a table of its options"),
         ("[solve\n", "not valid TOML"),

@@ -197,6 +197,15 @@ def test_cli_chain(pipeline, tmp_path, capsys):
     )
     reports = json.loads(capsys.readouterr().out)["reports"]
     assert len(reports) == 3 and all(r["method"] == "metis" for r in reports)
+    assert Plan.load(plan).config["batch_prices"] is False
+    priced = tmp_path / "priced"
+    args = ["solve", str(pred), "--ep", "2", "--method", "metis", "--out", str(priced)]
+    assert main([*args, "--batch-prices", "--json"]) == 0
+    capsys.readouterr()
+    assert Plan.load(priced).config["batch_prices"] is True
+    np.testing.assert_array_equal(
+        Plan.load(priced).expert_to_device, Plan.load(plan).expert_to_device
+    )
     assert main(["export", str(plan), "--out", str(bundle), "--format", "moeplan,sglang"]) == 0
     assert main(["evaluate", str(bundle), str(d / "held"), "--json"]) == 0
     capsys.readouterr()
@@ -450,3 +459,23 @@ def test_evaluate_edges_huge_hidden_size_and_an_empty_trace(pipeline, tmp_path, 
     # an empty held-out trace is refused in one line (as compare does), no plot drawn
     assert main(["evaluate", str(plan), str(tmp_path / "empty"), "--plot", str(png)]) == 2
     assert "holds no tokens" in capsys.readouterr().err and not png.exists()
+
+
+def test_batch_prices_keep_the_placement_and_other_traces_score_every_plan(pipeline, tmp_path):
+    """``PlanConfig.batch_prices`` re-assigns tokens only (the experts stay where the method
+    put them) and is recorded; ``compare_methods(also=...)`` scores every plan on more traces."""
+    d, _, _, predictor = pipeline
+    off = make_plan(predictor, PlanConfig("kmeans", ep_size=4, seed=1), progress=False)
+    on = make_plan(
+        predictor, PlanConfig("kmeans", ep_size=4, seed=1, batch_prices=True), progress=False
+    )
+    np.testing.assert_array_equal(on.expert_to_device, off.expert_to_device)
+    assert on.config["batch_prices"] is True and off.config["batch_prices"] is False
+    with pytest.raises(InputError, match="batch_prices=1"):
+        PlanConfig(batch_prices=1)
+    held = open_trace(d / "held")
+    result = compare_methods(
+        predictor, held, ["kmeans", "vanilla"], PlanConfig(ep_size=4), also={"again": held}
+    )
+    for row in result["rows"]:
+        assert row["lar_balanced_again"] == pytest.approx(row["lar_balanced"])
