@@ -21,7 +21,7 @@ carries over to new requests. About 40 s per case on 2 cores.
     python benchmarks/compare_traces.py [--seeds 0,1,2] [--sources flame,example]
         [--ngram top1,routed] [--ngram-weight 0.5] [--ceo-options JSON] [--chain-passes 0]
         [--split request|domain] [--holdout 0.5] [--polish-baselines] [--batch-prices]
-        [--mixed-heldout] [--out FILE]
+        [--mixed-heldout] [--mixed-batches] [--out FILE]
 
 ``--holdout F`` holds out the share F of the requests instead of half (0.8: fitted on a
 fifth; 0.2: on four fifths).
@@ -62,7 +62,9 @@ each case also records every method's held-out expert-load imbalance.
 held-out requests in a random order (``lar_balanced_mixed``, ``ceo_over_best_baseline_mixed``
 and the summary's ``*_mixed`` figures): the example's trace serves one prompt domain after
 another, so its runtime batches are each of one domain, which real serving, mixing many
-users' requests in a batch, seldom is.
+users' requests in a batch, seldom is. ``--mixed-batches`` fits with the fitting batches
+recorded as the fitting requests would make them in a random order (``moeplan fit
+--mixed-batches``): plans made for mixed serving.
 """
 
 from __future__ import annotations
@@ -173,6 +175,7 @@ def run_case(
     heldout_trace: Path | None = None,
     batch_prices: bool = False,
     mixed: bool = False,
+    mixed_batches: bool = False,
 ) -> dict:
     """One case: split ``trace`` (the ``holdout`` share of its requests held out, drawn with
     ``seed``, or ``heldout_domain`` held out whole), fit on the fitting side, compare every
@@ -187,19 +190,24 @@ def run_case(
     held, fitting = work / f"{name}_held", work / f"{name}_fit"
     if heldout_trace is not None:
         held, fitting = heldout_trace, trace
-        fit = FitConfig(ngram_routed=ngram == "routed", auto_embeddings=embeddings)
+        fit = FitConfig(
+            ngram_routed=ngram == "routed", auto_embeddings=embeddings, mixed_batches=mixed_batches
+        )
         predictor = fit_predictor(fitting, fit).predictor
     elif heldout_domain is None:
         if not held.exists():
             split_trace(trace, fitting, held, holdout, seed=seed)
         fit = FitConfig(
-            holdout=holdout, seed=seed, ngram_routed=ngram == "routed", auto_embeddings=embeddings
-        )
+            holdout=holdout, seed=seed, ngram_routed=ngram == "routed", auto_embeddings=embeddings,
+            mixed_batches=mixed_batches,
+        )  # fmt: skip
         predictor = fit_predictor(trace, fit).predictor
     else:
         if not held.exists():
             split_trace_by_domain(trace, fitting, held, [heldout_domain])
-        fit = FitConfig(ngram_routed=ngram == "routed", auto_embeddings=embeddings)
+        fit = FitConfig(
+            ngram_routed=ngram == "routed", auto_embeddings=embeddings, mixed_batches=mixed_batches
+        )
         predictor = fit_predictor(fitting, fit).predictor
     also = {}
     if mixed:
@@ -416,6 +424,12 @@ def main(argv=None) -> int:
         help="also score every plan on the held-out requests in a random order, whose "
         "batches mix what the trace serves one domain at a time (lar_balanced_mixed)",
     )
+    ap.add_argument(
+        "--mixed-batches",
+        action="store_true",
+        help="fit with the fitting batches recorded in a random request order (moeplan fit "
+        "--mixed-batches; default: trace order)",
+    )
     add_out_option(ap)
     args = ap.parse_args(argv)
     # the settings of every case, checked before any trace is made or split
@@ -468,6 +482,7 @@ def main(argv=None) -> int:
                                 heldout_trace,
                                 args.batch_prices,
                                 args.mixed_heldout,
+                                args.mixed_batches,
                             ),
                         }
                         cases.append(case)
@@ -497,6 +512,7 @@ def main(argv=None) -> int:
             "polish_baselines": args.polish_baselines,
             "batch_prices": args.batch_prices,
             "mixed_heldout": args.mixed_heldout,
+            "mixed_batches": args.mixed_batches,
             "ceo_over_best_baseline_min": min(ratios),
             "ceo_over_best_baseline_mean": sum(ratios) / len(ratios),
             "ceo_losses": [

@@ -85,6 +85,13 @@ def fit(
     batch_tokens: int = typer.Option(
         4096, "--batch-tokens", help="Tokens per runtime batch, for the fitting batches' mix."
     ),
+    mixed_batches: bool = typer.Option(
+        False,
+        "--mixed-batches",
+        help="Record the fitting batches as the requests would make them served in a random "
+        "order (each request's rows together), not in trace order: for a trace profiled one "
+        "domain or prompt file at a time that will be served mixed with other traffic.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
 ) -> None:
     """Fit token->expert, distribution-only (and neural) predictors; report held-out figures.
@@ -129,6 +136,7 @@ def fit(
         ngram_routed=ngram_routed,
         batch_rows=batch_rows,
         batch_tokens=batch_tokens,
+        mixed_batches=mixed_batches,
         counts=CountsSelection(model, _csv(domain), num_experts, top_k, vocab_size),
         eval_domains=_csv(eval_domain),
         progress=not as_json,

@@ -12,6 +12,14 @@ the activations the runtime cap would take back on these batches
 
 Long traces keep at most ``MAX_BATCHES`` batches, evenly spaced over the trace (a stride
 that doubles whenever twice that many are held), so memory stays bounded.
+
+Trace order is how the fitting traffic was served only if it was recorded as served. A
+trace profiled from a prompt file one domain after another serves each domain in batches of
+its own, while a serving engine batching many users' requests together mixes them; a plan
+fitted on the first kind of batch and served the second gives up about 1-3% of its balanced
+LAR (``benchmarks/RESULTS.md``, session 56). :class:`MixedBatchAccumulator` (``moeplan fit
+--mixed-batches``) records the batches the fitting requests would make in a random order
+instead (drawn with the fit's seed), each request's rows kept together in trace order.
 """
 
 from __future__ import annotations
@@ -125,17 +133,99 @@ class BatchMixAccumulator:
     def result(self) -> BatchMix:
         if self.pending_rows and (self.index % self.stride == 0 or not self.kept):
             self._close()
-        kept = self.kept
-        if len(kept) > self.max_batches:  # evenly spaced subset
-            pick = np.linspace(0, len(kept) - 1, self.max_batches).round().astype(int)
-            kept = [kept[i] for i in np.unique(pick)]
-        rows = np.concatenate(
-            [np.full(ids.size, g) for g, (_, ids, _) in enumerate(kept)] or [np.zeros(0)]
+        return _assemble(
+            self.kept, self.vocab_size, self.batch_tokens, self.stride, self.max_batches
         )
-        cols = np.concatenate([ids for _, ids, _ in kept] or [np.zeros(0)])
-        data = np.concatenate([c for _, _, c in kept] or [np.zeros(0)])
-        counts = sparse.csr_array(
-            (data.astype(np.int64), (rows.astype(np.int64), cols.astype(np.int64))),
-            shape=(len(kept), self.vocab_size),
-        )
-        return BatchMix(counts, self.batch_tokens, self.stride)
+
+
+def _assemble(
+    kept: list[tuple[int, np.ndarray, np.ndarray]],
+    vocab_size: int,
+    batch_tokens: int,
+    stride: int,
+    max_batches: int,
+) -> BatchMix:
+    """The :class:`BatchMix` of the kept batches ``(index, token ids, counts)``, in index
+    order, thinned to ``max_batches`` evenly spaced ones."""
+    if len(kept) > max_batches:  # evenly spaced subset
+        pick = np.linspace(0, len(kept) - 1, max_batches).round().astype(int)
+        kept = [kept[i] for i in np.unique(pick)]
+    rows = np.concatenate(
+        [np.full(ids.size, g) for g, (_, ids, _) in enumerate(kept)] or [np.zeros(0)]
+    )
+    cols = np.concatenate([ids for _, ids, _ in kept] or [np.zeros(0)])
+    data = np.concatenate([c for _, _, c in kept] or [np.zeros(0)])
+    counts = sparse.csr_array(
+        (data.astype(np.int64), (rows.astype(np.int64), cols.astype(np.int64))),
+        shape=(len(kept), vocab_size),
+    )
+    return BatchMix(counts, batch_tokens, stride)
+
+
+class MixedBatchAccumulator:
+    """The batches the fitting requests make when served in a random order.
+
+    The requests (``request_ids`` [R] distinct, with ``lengths`` [R] fitting rows each) are
+    put in an order drawn with ``seed``, each request's rows kept together in the order they
+    arrive; row i of that order falls in batch ``i // batch_tokens``. Rows may then arrive
+    in any order (:meth:`add` places each by its request). As in trace order, at most
+    ``max_batches`` batches are kept, evenly spaced, every ``stride``-th one (the stride
+    fixed up front: the number of batches is known).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        request_ids: np.ndarray,
+        lengths: np.ndarray,
+        seed: int | np.random.SeedSequence,
+        batch_tokens: int = BATCH_TOKENS,
+        max_batches: int = MAX_BATCHES,
+    ):
+        if not isinstance(batch_tokens, int | np.integer) or batch_tokens < 1:
+            raise InputError(f"batch_tokens={batch_tokens!r} must be a positive integer")
+        self.vocab_size, self.batch_tokens = int(vocab_size), int(batch_tokens)
+        self.max_batches = int(max_batches)
+        self.request_ids = np.asarray(request_ids, dtype=np.int64)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        order = np.random.default_rng(seed).permutation(self.request_ids.size)
+        self.start = np.zeros(self.request_ids.size, np.int64)  # first row of each request
+        self.start[order] = np.cumsum(lengths[order]) - lengths[order]
+        self.seen = np.zeros(self.request_ids.size, np.int64)  # its rows placed so far
+        total = int(lengths.sum())
+        num_batches = -(-total // self.batch_tokens)
+        self.stride = 1
+        while -(-num_batches // self.stride) >= 2 * self.max_batches:
+            self.stride *= 2
+        self.batches: list[np.ndarray] = []
+        self.tokens: list[np.ndarray] = []
+
+    def add(self, token_ids: np.ndarray, request_ids: np.ndarray) -> None:
+        """The next fitting rows: token ids [T] (-1, unknown, is skipped) and their requests [T]."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        r = np.searchsorted(self.request_ids, np.asarray(request_ids, dtype=np.int64))
+        if ids.size == 0:
+            return
+        if r.max() >= self.request_ids.size or np.any(self.request_ids[r] != request_ids):
+            raise InputError("a fitting row's request is none of the requests counted up front")
+        # each row's rank among its request's rows: those placed before, then its place
+        # among this block's rows of the same request (stable, so in arrival order)
+        by_request = np.argsort(r, kind="stable")
+        sorted_r = r[by_request]
+        first = np.searchsorted(sorted_r, sorted_r)  # first row of each request's run
+        rank = np.empty_like(r)
+        rank[by_request] = np.arange(r.size) - first
+        batch = (self.start[r] + self.seen[r] + rank) // self.batch_tokens
+        np.add.at(self.seen, r, 1)
+        keep = (batch % self.stride == 0) & (ids >= 0)
+        self.batches.append(batch[keep])
+        self.tokens.append(ids[keep])
+
+    def result(self) -> BatchMix:
+        batch = np.concatenate(self.batches or [np.zeros(0, np.int64)])
+        tokens = np.concatenate(self.tokens or [np.zeros(0, np.int64)])
+        kept = []
+        for index in np.unique(batch):
+            uniq, counts = np.unique(tokens[batch == index], return_counts=True)
+            kept.append((int(index), uniq, counts))
+        return _assemble(kept, self.vocab_size, self.batch_tokens, self.stride, self.max_batches)

@@ -25,7 +25,7 @@ from planner._checks import is_integer
 from planner._progress import progress_bar
 from planner.errors import InputError
 from planner.predict.affinity import TokenExpertAffinity, load_embeddings
-from planner.predict.batches import BATCH_TOKENS, BatchMixAccumulator
+from planner.predict.batches import BATCH_TOKENS, BatchMixAccumulator, MixedBatchAccumulator
 from planner.predict.counts import (
     BUFFER_KEYS,
     CountsAccumulator,
@@ -47,7 +47,7 @@ from planner.predict.reliability import (
     spread_to_layers,
 )
 from planner.predict.split import RequestSplit, check_fraction, check_seed, thin_counts
-from planner.trace.io import EMBEDDINGS_FILE, open_trace
+from planner.trace.io import EMBEDDINGS_FILE, open_trace, read_columns
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,11 @@ class FitConfig:
             does not follow the model's width). The predictor does not depend on it.
         batch_tokens: tokens per runtime batch; the fitting rows in trace order are cut into
             batches of this size (:mod:`planner.predict.batches`).
+        mixed_batches: record the fitting batches the fitting requests would make served in
+            a random order (drawn with ``seed``; each request's rows kept together) instead
+            of in trace order: for a trace profiled one domain (or prompt file) at a time
+            that will be served mixed with other users' requests
+            (:class:`planner.predict.batches.MixedBatchAccumulator`).
         token_reliability: traces only: estimate each layer's token shrinkage m from two
             folds of the fitting requests (:mod:`planner.predict.reliability`); costs one
             more counts accumulator over half the rows at 8 layers at most. False leaves
@@ -101,6 +106,7 @@ class FitConfig:
     ngram_routed: bool = False
     batch_rows: int | None = None
     batch_tokens: int = BATCH_TOKENS
+    mixed_batches: bool = False
     token_reliability: bool = True
     counts: CountsSelection = field(default_factory=CountsSelection)
     eval_domains: tuple[str, ...] = ()
@@ -217,7 +223,15 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
         # sampled layers were L/8 times as many a layer: 576 MiB once full)
         fold_acc = CountsAccumulator(fold_meta, BUFFER_KEYS * fold_layers.size // meta.num_layers)
     transitions = TransitionAccumulator(meta.num_layers, meta.num_experts, config.ngram_routed)
-    batches = BatchMixAccumulator(meta.vocab_size, config.batch_tokens)
+    batches: BatchMixAccumulator | MixedBatchAccumulator
+    if config.mixed_batches:
+        ids, lengths = np.unique(_fitting_request_rows(trace, split), return_counts=True)
+        seed = np.random.SeedSequence([config.seed, MIXED_BATCHES_STREAM])
+        batches = MixedBatchAccumulator(
+            meta.vocab_size, ids, lengths, seed, config.batch_tokens
+        )  # fmt: skip
+    else:
+        batches = BatchMixAccumulator(meta.vocab_size, config.batch_tokens)
     unknown_load = np.zeros((meta.num_layers, meta.num_experts), np.int64)
     unknown_top1 = np.zeros((meta.num_layers, meta.num_experts), np.int64)
     # Per-batch loads only for a moving average, over runtime batches of the fitting rows
@@ -243,7 +257,10 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
                 # one gather of fold B's rows at the sampled layers, not a copy of all layers
                 fold_acc.add(batch.token_id[in_b], batch.experts[in_b[:, None], fold_layers])
             transitions.add(batch.experts)
-            batches.add(batch.token_id)
+            if isinstance(batches, MixedBatchAccumulator):
+                batches.add(batch.token_id, batch.request_id)
+            else:
+                batches.add(batch.token_id)
             if ema:
                 for load in ema_batches.add(batch.experts):
                     distribution.partial_fit(load)
@@ -312,7 +329,8 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
         affinity.drop_tables()
     mix = batches.result()
     fit_info["batches"] = {"kept": mix.num_batches, "batch_tokens": mix.batch_tokens,
-                           "stride": mix.stride}  # fmt: skip
+                           "stride": mix.stride,
+                           "order": "mixed" if config.mixed_batches else "trace"}  # fmt: skip
     predictor = Predictor(
         meta, affinity, distribution, trans, neural, fit_info, report, mix, shrinkage
     )
@@ -378,3 +396,14 @@ def _fit_counts(path: Path, config: FitConfig) -> FitResult:
         report = {"split": split, **evaluate_counts(parts, heldout)}
     predictor = Predictor(fit.meta, affinity, distribution, None, neural, fit_info, report)
     return FitResult(predictor, report)
+
+
+# The random stream of --mixed-batches' request order (beside the fit's seed).
+MIXED_BATCHES_STREAM = 7
+
+
+def _fitting_request_rows(trace, split: RequestSplit | None) -> np.ndarray:
+    """[T'] the request id of every fitting row of ``trace`` (one column read)."""
+    parts = [read_columns(p, ["request_id"]).column("request_id").to_numpy() for p in trace.parts]
+    rows = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    return rows if split is None else rows[~split.heldout_mask(rows)]

@@ -26,15 +26,21 @@ first), the one with the best objective net of the take-back
 (:func:`planner.solve.common.net_objective`, with the true gains) is kept: on the fitting
 batches it is never worse than the shared assignment.
 
-Every method but ``vanilla`` ends with it (:func:`planner.solve.registry.solve_layer`,
-``SolverConfig.batch_prices``, on by default; ``moeplan solve|compare --no-batch-prices``
-turns it off), so it changes no method's placement and the comparison stays one of
-placements. On the example model held out by request (``benchmarks/compare_traces.py``,
-split seed 0, top-1 n-gram statistic) every method's balanced LAR rose, by 1.7-2.1% at EP 4
-and by 2.7-3.0% at EP 8 (``benchmarks/RESULTS.md``, session 56). ``step`` 0.1 and 30
-rounds were chosen on the example's fitting side at EP 4 (0.05-0.5 and 20-60 rounds were
-within 0.3% of each other); the subgradient has not converged by then, and need not: the
-best iterate is kept.
+With ``SolverConfig.batch_prices`` (``moeplan solve|compare --batch-prices``; off by
+default) every method but ``vanilla`` ends with it
+(:func:`planner.solve.registry.solve_layer`), so it changes no method's placement and the
+comparison stays one of placements. It plans the token table for the batches the fitting
+trace was served in, and pays only where the served batches are made up alike. On the
+example model held out by request (``benchmarks/compare_traces.py --sources example
+--batch-prices --mixed-heldout``, 18 cases; ``benchmarks/RESULTS.md``, session 56) every
+method's balanced LAR rose by 1.8-2.4% on average with the held-out requests served in
+trace order, one prompt domain after another as they were profiled, and fell by 2.7-3.7%
+with the same requests served in a random order (batches mixing the domains), as real
+serving mostly does. Hence off by default: use it where traffic will arrive as it was
+profiled (an offline job running a dataset in order, say). ``step`` 0.1 and 30 rounds were
+chosen on the example's fitting side at EP 4 (0.05-0.5 and 20-60 rounds were within 0.3% of
+each other); the subgradient has not converged by then, and need not: the best iterate is
+kept.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from planner.errors import InputError, SchemaError
-from planner.predict.batches import BatchMix, BatchMixAccumulator
+from planner.predict.batches import BatchMix, BatchMixAccumulator, MixedBatchAccumulator
 from planner.predict.fit import FitConfig, fit_predictor
 from planner.predict.predictor import MANIFEST, Predictor
 
@@ -76,3 +76,46 @@ def test_batch_tokens_must_be_positive(exact_trace) -> None:
         fit_predictor(path, FitConfig(batch_tokens=0))
     small = fit_predictor(path, FitConfig(batch_tokens=500)).predictor.batches
     assert small.batch_tokens == 500 and small.counts.sum(axis=1).max() <= 500
+
+
+def _mixed_by_hand(tokens, requests, seed, batch_tokens):
+    """The rows put in the accumulator's request order (each request's rows in arrival
+    order), cut into batches: dense [G, V] counts."""
+    ids = np.unique(requests)
+    order = ids[np.random.default_rng(seed).permutation(ids.size)]
+    rows = np.concatenate([tokens[requests == r] for r in order])
+    batches = [rows[i : i + batch_tokens] for i in range(0, rows.size, batch_tokens)]
+    return np.stack([np.bincount(b[b >= 0], minlength=20) for b in batches])
+
+
+def test_mixed_batches_are_the_requests_in_a_random_order() -> None:
+    rng = np.random.default_rng(0)
+    requests = np.repeat([3, 8, 9, 14, 20, 21], [5, 2, 7, 4, 6, 3])  # trace order, contiguous
+    tokens = rng.integers(-1, 20, requests.size)
+    ids, lengths = np.unique(requests, return_counts=True)
+    acc = MixedBatchAccumulator(20, ids, lengths, seed=4, batch_tokens=4)
+    for chunk in np.array_split(np.arange(requests.size), 5):  # chunks of any size
+        acc.add(tokens[chunk], requests[chunk])
+    mix = acc.result()
+    expected = _mixed_by_hand(tokens, requests, 4, 4)
+    expected = expected[expected.sum(axis=1) > 0]  # (a batch of unknown tokens only: no row)
+    np.testing.assert_array_equal(mix.counts.toarray(), expected)
+    assert mix.counts.sum() == np.sum(tokens >= 0)
+    with pytest.raises(InputError, match="none of the requests"):
+        acc.add(np.array([1]), np.array([5]))
+
+
+def test_a_trace_served_one_domain_at_a_time_is_mixed(exact_trace) -> None:
+    """Fitted with --mixed-batches, a batch holds several requests' rows where in trace order
+    it held a run of consecutive requests; both keep every fitting row."""
+    path, _ = exact_trace
+    ordered = fit_predictor(path, FitConfig(batch_tokens=512, holdout=0.3))
+    mixed = fit_predictor(path, FitConfig(batch_tokens=512, holdout=0.3, mixed_batches=True))
+    assert ordered.predictor.fit_info["batches"]["order"] == "trace"
+    assert mixed.predictor.fit_info["batches"]["order"] == "mixed"
+    a, b = ordered.predictor.batches.counts, mixed.predictor.batches.counts
+    assert ordered.predictor.batches.stride == mixed.predictor.batches.stride == 1
+    np.testing.assert_array_equal(np.asarray(a.sum(axis=0)), np.asarray(b.sum(axis=0)))
+    assert a.shape == b.shape and (a != b).nnz > 0
+    again = fit_predictor(path, FitConfig(batch_tokens=512, holdout=0.3, mixed_batches=True))
+    assert (again.predictor.batches.counts != b).nnz == 0  # seeded

@@ -190,7 +190,10 @@ def test_cli_chain(pipeline, tmp_path, capsys):
     d, _, _, _ = pipeline
     pred, plan, bundle = tmp_path / "pred", tmp_path / "plan", tmp_path / "bundle"
     assert main(["fit", str(d / "fit"), "--out", str(pred), "--json"]) == 0
-    capsys.readouterr()
+    assert json.loads(capsys.readouterr().out)["fit"]["batches"]["order"] == "trace"
+    mixed = ["fit", str(d / "fit"), "--out", str(tmp_path / "mixed"), "--mixed-batches"]
+    assert main([*mixed, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fit"]["batches"]["order"] == "mixed"
     assert (
         main(["solve", str(pred), "--ep", "2", "--method", "metis", "--out", str(plan), "--json"])
         == 0
