@@ -272,6 +272,11 @@ def run_case(
     }
 
 
+def case_label(case: dict) -> str:
+    """How the summary names a case: ``"example seed 0 top1 EP4"``."""
+    return f"{case['source']} seed {case['seed']} {case['ngram']} EP{case['ep']}"
+
+
 def requests_shuffled(path: Path, out: Path, seed: int) -> None:
     """Write the trace at ``path`` with its requests in a random order (drawn with ``seed``),
     each request's rows kept together in position order: its runtime batches then mix the
@@ -515,33 +520,25 @@ def main(argv=None) -> int:
             "mixed_batches": args.mixed_batches,
             "ceo_over_best_baseline_min": min(ratios),
             "ceo_over_best_baseline_mean": sum(ratios) / len(ratios),
-            "ceo_losses": [
-                f"{c['source']} seed {c['seed']} {c['ngram']} EP{c['ep']}"
-                for c in cases
-                if c["ceo_over_best_baseline"] < 1
-            ],
+            "ceo_losses": [case_label(c) for c in cases if c["ceo_over_best_baseline"] < 1],
             # Losses whose whole 90% interval lies below 1: more than which requests happened
             # to be held out can explain.
             "ceo_losses_beyond_ci90": [
-                f"{c['source']} seed {c['seed']} {c['ngram']} EP{c['ep']}"
+                case_label(c)
                 for c in cases
                 if c["ceo_over_best_baseline_ci90"] and c["ceo_over_best_baseline_ci90"][1] < 1
             ],
             # The same plans on the requests they were fitted on: a loss here is the search's
             # or the objective's; a loss held out only is generalisation.
             "ceo_losses_fitting": [
-                f"{c['source']} seed {c['seed']} {c['ngram']} EP{c['ep']}"
-                for c in cases
-                if c["ceo_over_best_baseline_fitting"] < 1
+                case_label(c) for c in cases if c["ceo_over_best_baseline_fitting"] < 1
             ],
             **(
                 {
                     "ceo_over_best_baseline_mixed_min": min(mixed),
                     "ceo_over_best_baseline_mixed_mean": sum(mixed) / len(mixed),
                     "ceo_losses_mixed": [
-                        f"{c['source']} seed {c['seed']} {c['ngram']} EP{c['ep']}"
-                        for c in cases
-                        if c["ceo_over_best_baseline_mixed"] < 1
+                        case_label(c) for c in cases if c["ceo_over_best_baseline_mixed"] < 1
                     ],
                 }
                 if (

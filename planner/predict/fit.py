@@ -338,6 +338,10 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
 
 
 def _fit_counts(path: Path, config: FitConfig) -> FitResult:
+    if config.mixed_batches:
+        raise InputError(
+            "--mixed-batches orders a trace's requests; a counts table has no batches to mix"
+        )
     if config.eval_domains and config.holdout is not None:
         raise InputError(
             "choose either --holdout (thinning) or --eval-domain (cross-domain), not both"

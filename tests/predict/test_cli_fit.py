@@ -208,6 +208,9 @@ def test_a_config_files_holdout_stands_down_for_eval_domain(tmp_path, capsys):
     assert main([*base, "--out", str(tmp_path / "b"), "--holdout", "0.5"]) == 2
     assert "choose either --holdout" in capsys.readouterr().err
     assert not (tmp_path / "b").exists()
+    assert main([*base, "--out", str(tmp_path / "c"), "--mixed-batches"]) == 2
+    assert "a counts table has no batches to mix" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
 
 
 def test_a_config_files_eval_domain_stands_down_for_a_typed_holdout(tmp_path, capsys):
