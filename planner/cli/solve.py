@@ -201,6 +201,12 @@ def solve(
                 "--chain-passes does not apply to --method vanilla (the contiguous layout)"
             )
         chain_passes = 0  # a --config file's, for the methods it applies to
+    if batch_prices and method == "vanilla":
+        if typed(ctx, "batch_prices"):
+            raise InputError(
+                "--batch-prices does not apply to --method vanilla (the contiguous layout)"
+            )
+        batch_prices = False  # a --config file's, for the methods it applies to
     check_move_cost(move_cost, "--move-cost")
     if move_cost and (deployed is None or method == "vanilla"):
         if typed(ctx, "move_cost"):

@@ -206,6 +206,9 @@ def test_cli_chain(pipeline, tmp_path, capsys):
     assert main([*args, "--batch-prices", "--json"]) == 0
     capsys.readouterr()
     assert Plan.load(priced).config["batch_prices"] is True
+    vanilla = ["solve", str(pred), "--ep", "2", "--method", "vanilla", "--batch-prices"]
+    assert main([*vanilla, "--out", str(tmp_path / "v")]) == 2
+    assert "--batch-prices does not apply to --method vanilla" in capsys.readouterr().err
     np.testing.assert_array_equal(
         Plan.load(priced).expert_to_device, Plan.load(plan).expert_to_device
     )
