@@ -91,16 +91,20 @@ class BatchMix:
         return cls(counts, batch_tokens, stride)
 
 
+def _batch_tokens(value) -> int:
+    if not isinstance(value, int | np.integer) or value < 1:
+        raise InputError(f"batch_tokens={value!r} must be a positive integer")
+    return int(value)
+
+
 class BatchMixAccumulator:
     """Cuts token ids arriving in trace order into batches of ``batch_tokens`` and counts them."""
 
     def __init__(
         self, vocab_size: int, batch_tokens: int = BATCH_TOKENS, max_batches: int = MAX_BATCHES
     ):
-        if not isinstance(batch_tokens, int | np.integer) or batch_tokens < 1:
-            raise InputError(f"batch_tokens={batch_tokens!r} must be a positive integer")
         self.vocab_size = int(vocab_size)
-        self.batch_tokens = int(batch_tokens)
+        self.batch_tokens = _batch_tokens(batch_tokens)
         self.max_batches = int(max_batches)
         self.stride = 1
         self.index = 0  # batches of the trace seen so far
@@ -108,8 +112,9 @@ class BatchMixAccumulator:
         self.pending: list[np.ndarray] = []
         self.pending_rows = 0
 
-    def add(self, token_ids: np.ndarray) -> None:
-        """The next fitting rows' token ids, in trace order (-1, unknown, is skipped)."""
+    def add(self, token_ids: np.ndarray, request_ids: np.ndarray | None = None) -> None:
+        """The next fitting rows' token ids, in trace order (-1, unknown, is skipped); their
+        request ids are not needed (as :meth:`MixedBatchAccumulator.add` needs them)."""
         ids = np.asarray(token_ids, dtype=np.int64)
         while ids.size:
             take = self.batch_tokens - self.pending_rows
@@ -182,9 +187,7 @@ class MixedBatchAccumulator:
         batch_tokens: int = BATCH_TOKENS,
         max_batches: int = MAX_BATCHES,
     ):
-        if not isinstance(batch_tokens, int | np.integer) or batch_tokens < 1:
-            raise InputError(f"batch_tokens={batch_tokens!r} must be a positive integer")
-        self.vocab_size, self.batch_tokens = int(vocab_size), int(batch_tokens)
+        self.vocab_size, self.batch_tokens = int(vocab_size), _batch_tokens(batch_tokens)
         self.max_batches = int(max_batches)
         self.request_ids = np.asarray(request_ids, dtype=np.int64)
         lengths = np.asarray(lengths, dtype=np.int64)

@@ -257,10 +257,7 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
                 # one gather of fold B's rows at the sampled layers, not a copy of all layers
                 fold_acc.add(batch.token_id[in_b], batch.experts[in_b[:, None], fold_layers])
             transitions.add(batch.experts)
-            if isinstance(batches, MixedBatchAccumulator):
-                batches.add(batch.token_id, batch.request_id)
-            else:
-                batches.add(batch.token_id)
+            batches.add(batch.token_id, batch.request_id)
             if ema:
                 for load in ema_batches.add(batch.experts):
                     distribution.partial_fit(load)
