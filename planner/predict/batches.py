@@ -16,8 +16,9 @@ that doubles whenever twice that many are held), so memory stays bounded.
 Trace order is how the fitting traffic was served only if it was recorded as served. A
 trace profiled from a prompt file one domain after another serves each domain in batches of
 its own, while a serving engine batching many users' requests together mixes them; a plan
-fitted on the first kind of batch and served the second gives up about 1-3% of its balanced
-LAR (``benchmarks/RESULTS.md``, session 56). :class:`MixedBatchAccumulator` (``moeplan fit
+fitted on the first kind of batch and served the second gave up 1.7% of its balanced LAR
+on average, up to 4.4%, on the example (CEO, 18 cases by request; ``benchmarks/RESULTS.md``,
+session 56). :class:`MixedBatchAccumulator` (``moeplan fit
 --mixed-batches``) records the batches the fitting requests would make in a random order
 instead (drawn with the fit's seed), each request's rows kept together in trace order.
 """
