@@ -47,7 +47,10 @@ from planner.predict.reliability import (
     spread_to_layers,
 )
 from planner.predict.split import RequestSplit, check_fraction, check_seed, thin_counts
-from planner.trace.io import EMBEDDINGS_FILE, open_trace, read_columns
+from planner.trace.io import EMBEDDINGS_FILE, open_trace
+
+# The random stream of --mixed-batches' request order (beside the fit's seed).
+MIXED_BATCHES_STREAM = 7
 
 
 @dataclass(frozen=True)
@@ -203,7 +206,7 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
     if config.embeddings:  # a wrong file is refused before the pass; read after it
         load_embeddings(config.embeddings, meta.vocab_size, meta.fingerprint(), header_only=True)
     split = None
-    request_ids = trace.request_ids()
+    request_ids, request_rows = trace.request_rows()
     if config.holdout is not None:
         split = RequestSplit.make(request_ids, config.holdout, config.seed)
     acc = CountsAccumulator(meta)
@@ -213,9 +216,8 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
     fold_layers = sampled_layers(meta.num_layers)
     # the folds halve the fitting requests (drawn over all of them, a small fitting side
     # could fall in one fold whole, and every layer then got m = 0: full trust)
-    fit_ids = np.unique(request_ids)
-    if split is not None:
-        fit_ids = fit_ids[~split.heldout_mask(fit_ids)]
+    fitting = slice(None) if split is None else ~split.heldout_mask(request_ids)
+    fit_ids = request_ids[fitting]
     if config.token_reliability and fit_ids.size >= 2:
         fold = RequestSplit.make(fit_ids, 0.5, config.seed + FOLD_SEED_OFFSET)
         fold_meta = replace(meta, num_layers=fold_layers.size, moe_layer_indices=())
@@ -225,10 +227,9 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
     transitions = TransitionAccumulator(meta.num_layers, meta.num_experts, config.ngram_routed)
     batches: BatchMixAccumulator | MixedBatchAccumulator
     if config.mixed_batches:
-        ids, lengths = np.unique(_fitting_request_rows(trace, split), return_counts=True)
         seed = np.random.SeedSequence([config.seed, MIXED_BATCHES_STREAM])
         batches = MixedBatchAccumulator(
-            meta.vocab_size, ids, lengths, seed, config.batch_tokens
+            meta.vocab_size, fit_ids, request_rows[fitting], seed, config.batch_tokens
         )  # fmt: skip
     else:
         batches = BatchMixAccumulator(meta.vocab_size, config.batch_tokens)
@@ -397,14 +398,3 @@ def _fit_counts(path: Path, config: FitConfig) -> FitResult:
         report = {"split": split, **evaluate_counts(parts, heldout)}
     predictor = Predictor(fit.meta, affinity, distribution, None, neural, fit_info, report)
     return FitResult(predictor, report)
-
-
-# The random stream of --mixed-batches' request order (beside the fit's seed).
-MIXED_BATCHES_STREAM = 7
-
-
-def _fitting_request_rows(trace, split: RequestSplit | None) -> np.ndarray:
-    """[T'] the request id of every fitting row of ``trace`` (one column read)."""
-    parts = [read_columns(p, ["request_id"]).column("request_id").to_numpy() for p in trace.parts]
-    rows = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-    return rows if split is None else rows[~split.heldout_mask(rows)]

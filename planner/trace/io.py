@@ -629,7 +629,12 @@ class Trace:
 
     def request_ids(self) -> np.ndarray:
         """Sorted distinct request ids; SchemaError if two rows share a (request, position)
-        pair, since a trace holds one row per token occurrence.
+        pair, since a trace holds one row per token occurrence (:meth:`request_rows`)."""
+        return self.request_rows()[0]
+
+    def request_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """(sorted distinct request ids [R], each one's rows [R]); SchemaError if two rows
+        share a (request, position) pair, since a trace holds one row per token occurrence.
 
         Reads two columns only (about 20 bytes a row at its peak). ``trace info``, ``trace
         split``, ``fit`` and ``compare`` call it first (``evaluate`` checks the same columns
@@ -638,7 +643,7 @@ class Trace:
         """
         columns = [read_columns(p, ["request_id", "position"]) for p in self.parts]
         if not columns:
-            return np.zeros(0, np.int64)
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
         for part, c in zip(self.parts, columns, strict=True):
             # a part written without statistics escapes the footer's null check, and
             # to_numpy() would turn a null into NaN
@@ -649,7 +654,7 @@ class Trace:
         pos = np.concatenate([c.column(1).to_numpy() for c in columns])
         del columns
         check_distinct_occurrences(rid, pos, str(self.path))
-        return np.unique(rid)
+        return np.unique(rid, return_counts=True)
 
 
 def open_trace(path: str | os.PathLike[str], *, unfinished: bool = False) -> Trace:
