@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.table import Table
@@ -55,6 +56,18 @@ def _options(text: str | None) -> dict:
             f"its keys are methods: {', '.join(SOLVERS)}"
         )
     return opts
+
+
+def _not_for_vanilla(ctx: typer.Context, method: str, name: str, value: Any, off: Any) -> Any:
+    """``value`` of option ``name``, or ``off`` (its unset value) where it is set and
+    ``method`` is vanilla, the contiguous layout it does not apply to: an InputError where
+    it was typed, while a --config file's value stands down for the methods it applies to."""
+    if value == off or method != "vanilla":
+        return value
+    if typed(ctx, name):
+        flag = "--" + name.replace("_", "-")
+        raise InputError(f"{flag} does not apply to --method vanilla (the contiguous layout)")
+    return off
 
 
 def _check_lp_path(opts: dict, layers: int, inputs: tuple, outputs: tuple = ()) -> None:
@@ -179,12 +192,7 @@ def solve(
     deployed = None if align_to is None else load_tables(align_to)
     inputs = tuple(filter(None, (predictor, align_to)))
     check_plan_output(out, inputs=inputs)  # before the work, not after it
-    if expert_beta is not None and method == "vanilla":
-        if typed(ctx, "expert_beta"):
-            raise InputError(
-                "--expert-beta does not apply to --method vanilla (the contiguous layout)"
-            )
-        expert_beta = None  # a --config file's, for the methods it applies to
+    expert_beta = _not_for_vanilla(ctx, method, "expert_beta", expert_beta, None)
     opts = _options(options)
     others = sorted(set(opts) - {method})
     if others and typed(ctx, "options"):  # (compare takes options for many methods)
@@ -195,18 +203,8 @@ def solve(
     # a --config file's options for other methods are not this plan's (plan.json recorded
     # them as if they had run)
     opts = {m: o for m, o in opts.items() if m == method}
-    if method == "vanilla" and chain_passes:
-        if typed(ctx, "chain_passes"):
-            raise InputError(
-                "--chain-passes does not apply to --method vanilla (the contiguous layout)"
-            )
-        chain_passes = 0  # a --config file's, for the methods it applies to
-    if batch_prices and method == "vanilla":
-        if typed(ctx, "batch_prices"):
-            raise InputError(
-                "--batch-prices does not apply to --method vanilla (the contiguous layout)"
-            )
-        batch_prices = False  # a --config file's, for the methods it applies to
+    chain_passes = _not_for_vanilla(ctx, method, "chain_passes", chain_passes, 0)
+    batch_prices = _not_for_vanilla(ctx, method, "batch_prices", batch_prices, False)
     check_move_cost(move_cost, "--move-cost")
     if move_cost and (deployed is None or method == "vanilla"):
         if typed(ctx, "move_cost"):

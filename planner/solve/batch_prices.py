@@ -91,7 +91,11 @@ def batch_priced_tokens(
         return t
     rows, batch, occ, cap = entries
     g = cap.size
-    load = np.bincount(batch * e + t[rows], weights=occ, minlength=g * e).reshape(g, e)
+
+    def batch_loads(t: np.ndarray) -> np.ndarray:  # [G, E] occurrences of each batch on each device
+        return np.bincount(batch * e + t[rows], weights=occ, minlength=g * e).reshape(g, e)
+
+    load = batch_loads(t)
     if not np.any(load > cap[:, None] * (1 + 1e-12)):
         return t
     best_t, best = t, net_objective(problem, gain, t, effort)
@@ -120,7 +124,7 @@ def batch_priced_tokens(
         score = net_objective(problem, gain, t, effort)
         if improves(score, best):
             best_t, best = t, score
-        load = np.bincount(batch * e + t[rows], weights=occ, minlength=g * e).reshape(g, e)
+        load = batch_loads(t)
     return best_t
 
 
