@@ -130,8 +130,8 @@ def compare_methods(
     ``lar_balanced_fitting``, the plan's balanced LAR on that trace: where a method loses
     held out, this says whether it also lost on the data it was solved for (the search or
     the objective) or only on new requests (generalisation). Each trace of ``also``
-    (name -> trace) scores every plan too, as ``lar_balanced_<name>``: the same requests
-    served in other batches, say.
+    (name -> trace, a name other than ``fitting`` where that is given) scores every plan
+    too, as ``lar_balanced_<name>``: the same requests served in other batches, say.
 
     Returns ``{"rows": [...], "oracle_bound": float, "lar_vanilla": float,
     "best_baseline": name | None, "requests": R, "unseen_tokens": {...}}`` (the last from
@@ -148,11 +148,14 @@ def compare_methods(
     if fitting is not None and not fitting.num_rows:
         raise InputError(f"fitting trace {fitting.path} holds no tokens; nothing to score on")
     also = dict(also or {})
+    if fitting is not None and "fitting" in also:
+        raise InputError("also= names a trace 'fitting', the key of the fitting trace's scores")
     for name, other in also.items():
         predictor.check_compatible(other.meta, f"trace {name!r}")
-    for checked in (heldout, fitting, *also.values()):
-        if checked is not None:
-            checked.request_ids()  # a repeated (request, position) is refused before solving
+    # every trace besides the held-out one that scores each plan, by its row key's suffix
+    scored_on = ({} if fitting is None else {"fitting": fitting}) | also
+    for checked in (heldout, *scored_on.values()):
+        checked.request_ids()  # a repeated (request, position) is refused before solving
     eval_config = dataclasses.replace(eval_config or EvalConfig(), per_request=True)
     rows: list[dict] = []
     per_request = {}
@@ -171,12 +174,7 @@ def compare_methods(
             bound = ov["oracle_bound"]
         per_request[method] = np.asarray(report["per_request"]["local_balanced"], np.float64)
         in_sample = {}
-        if fitting is not None:
-            fit_report = evaluate_bundle(
-                bundle, fitting, eval_config, progress=progress, oracle=False
-            )
-            in_sample = {"lar_balanced_fitting": fit_report["overall"]["lar_balanced"]}
-        for name, other in also.items():
+        for name, other in scored_on.items():
             scored = evaluate_bundle(bundle, other, eval_config, progress=progress, oracle=False)
             in_sample[f"lar_balanced_{name}"] = scored["overall"]["lar_balanced"]
         rows.append(
