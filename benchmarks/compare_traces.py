@@ -77,8 +77,6 @@ import time
 from pathlib import Path
 from statistics import NormalDist, median, stdev
 
-import numpy as np
-
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from _common import (  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
@@ -97,6 +95,7 @@ from planner.evaluate.compare import compare_methods  # noqa: E402
 from planner.predict.fit import FitConfig, fit_predictor  # noqa: E402
 from planner.predict.split import (  # noqa: E402
     check_fraction,
+    shuffle_requests,
     split_trace,
     split_trace_by_domain,
     trace_domains,
@@ -105,7 +104,6 @@ from planner.profile.runner import ProfileConfig, profile_model  # noqa: E402
 from planner.solve.ngram_term import DEFAULT_WEIGHT  # noqa: E402
 from planner.solve.pipeline import PlanConfig  # noqa: E402
 from planner.trace import open_trace  # noqa: E402
-from planner.trace.io import write_trace  # noqa: E402
 from planner.trace.synth import SynthConfig, preset_config, synthesize  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -181,7 +179,7 @@ def run_case(
     ``seed``, or ``heldout_domain`` held out whole), fit on the fitting side, compare every
     method on the held-out side. With ``heldout_trace``, fit on the whole of ``trace`` and
     hold out that other trace. With ``mixed`` every plan is also scored on the held-out
-    requests in a random order (:func:`requests_shuffled`)."""
+    requests in a random order (:func:`planner.predict.split.shuffle_requests`)."""
     name = (
         f"{trace.stem}_{seed}_{holdout}"
         if heldout_domain is None
@@ -211,9 +209,9 @@ def run_case(
         predictor = fit_predictor(fitting, fit).predictor
     also = {}
     if mixed:
-        shuffled = work / f"{Path(held).name}_mixed.parquet"
+        shuffled = work / f"{Path(held).name}_mixed"
         if not shuffled.exists():
-            requests_shuffled(held, shuffled, seed)
+            shuffle_requests(held, shuffled, seed)
         also["mixed"] = open_trace(shuffled)
     result = compare_methods(
         predictor,
@@ -275,18 +273,6 @@ def run_case(
 def case_label(case: dict) -> str:
     """How the summary names a case: ``"example seed 0 top1 EP4"``."""
     return f"{case['source']} seed {case['seed']} {case['ngram']} EP{case['ep']}"
-
-
-def requests_shuffled(path: Path, out: Path, seed: int) -> None:
-    """Write the trace at ``path`` with its requests in a random order (drawn with ``seed``),
-    each request's rows kept together in position order: its runtime batches then mix the
-    requests (and domains) that the trace in profile order serves one after another."""
-    trace = open_trace(path)
-    rows = trace.read_all(extras=tuple(trace.extra_columns()))
-    requests = np.unique(rows.request_id)
-    rank = np.zeros(int(requests.max()) + 1, np.int64)
-    rank[np.random.default_rng(seed).permutation(requests)] = np.arange(requests.size)
-    write_trace(out, trace.meta, rows.select(np.lexsort((rows.position, rank[rows.request_id]))))
 
 
 def against_the_rest(cases: list[dict]) -> dict:

@@ -58,28 +58,3 @@ def test_a_fresh_split_needs_the_example_and_says_so_before_any_work(compare_tra
 
     with pytest.raises(InputError, match="--split fresh needs --sources example"):
         compare_traces.main(["--split", "fresh", "--sources", "flame,example"])
-
-
-def test_requests_shuffled_keeps_every_row_and_each_request_together(compare_traces, tmp_path):
-    import numpy as np
-
-    from planner.trace import open_trace
-    from planner.trace.synth import SynthConfig, synthesize
-
-    config = SynthConfig(
-        num_layers=2, num_experts=8, top_k=2, vocab_size=200, num_tokens=3000,
-        num_requests=30, num_domains=3, seed=1,
-    )  # fmt: skip
-    path = synthesize(config, tmp_path / "trace")
-    compare_traces.requests_shuffled(path, tmp_path / "mixed.parquet", seed=0)
-    before = open_trace(path).read_all()
-    after = open_trace(tmp_path / "mixed.parquet").read_all()
-    key = lambda b: np.lexsort((b.position, b.request_id))  # noqa: E731
-    for name in ("request_id", "position", "token_id", "experts"):
-        np.testing.assert_array_equal(
-            getattr(before, name)[key(before)], getattr(after, name)[key(after)]
-        )
-    starts = np.flatnonzero(np.diff(after.request_id)) + 1  # each request is one run of rows
-    assert len(starts) + 1 == len(np.unique(after.request_id))
-    order = after.request_id[np.concatenate(([0], starts))]
-    assert not np.array_equal(order, np.sort(order))  # in another order than the trace's

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -337,6 +339,14 @@ def compare(
         "(column 'fit. bal.'): a method that loses there too loses by its search, one that "
         "loses only held out by how its plan carries over to new requests.",
     ),
+    mixed: bool = typer.Option(
+        False,
+        "--mixed",
+        help="Also score each plan on the held-out requests in a random order, each "
+        "request's rows together (drawn with --seed; column 'bal. mixed'): the traffic "
+        "served in batches that mix its requests, as an engine batching many users' does, "
+        "where a trace profiled domain by domain serves each domain in batches of its own.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
     plot: str = typer.Option(
         None, "--plot", help="Also draw each method's LAR against the bound to this .png/.svg/.pdf."
@@ -359,7 +369,16 @@ def compare(
     _check_lp_path(opts, pred.meta.num_layers, (predictor, heldout, fitting), (plot,))
     trace = open_trace(heldout)
     fitting_trace = None if fitting is None else open_trace(fitting)
-    with lp_files_together(opts, pred.meta.num_layers) as solver_opts:
+    with contextlib.ExitStack() as stack:
+        also = {}
+        if mixed:
+            from planner.predict.split import shuffle_requests
+
+            pred.check_compatible(trace.meta, "held-out trace")  # before the copy
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="moeplan-mixed-")))
+            shuffle_requests(heldout, tmp / "heldout", seed)
+            also["mixed"] = open_trace(tmp / "heldout")
+        solver_opts = stack.enter_context(lp_files_together(opts, pred.meta.num_layers))
         config = PlanConfig(
             names[0], ep, beta, seed, jobs, time_limit, ngram_order, solver_opts, ngram_weight,
             chain_passes, ngram_defer, expert_beta, polish, batch_prices=batch_prices,
@@ -372,6 +391,7 @@ def compare(
             EvalConfig(batch_tokens=batch_tokens),
             progress=not as_json,
             fitting=fitting_trace,
+            also=also,
         )
     if plot:
         title = f"{heldout}, EP {ep}: ratio to the best baseline above each bar"
@@ -400,6 +420,36 @@ def compare(
             "serve; failing that, compare the methods on it and deploy the one that holds up",
             soft_wrap=True,
         )
+    if mixed:
+        _note_mixed_winner(result["rows"])
+
+
+# How far another plan must lead the trace-order winner served mixed for compare to say so
+# (a share of the winner's balanced LAR served mixed): less is within the noise of which
+# requests were held out (benchmarks/RESULTS.md, session 52: a ratio's noise is about 0.4% on
+# the example, 1.1% on FLAME-MoE).
+MIXED_NOTE_MARGIN = 0.005
+
+
+def _note_mixed_winner(rows: list[dict]) -> None:
+    """Say so when the held-out requests served mixed make another plan the best by more
+    than :data:`MIXED_NOTE_MARGIN`."""
+    solved = [r for r in rows if r["method"] != "vanilla"]
+    if len(solved) < 2:
+        return
+    in_order = max(solved, key=lambda r: r["lar_balanced"])
+    served_mixed = max(solved, key=lambda r: r["lar_balanced_mixed"])
+    lead = served_mixed["lar_balanced_mixed"] / max(in_order["lar_balanced_mixed"], 1e-300)
+    if lead > 1 + MIXED_NOTE_MARGIN:
+        err_console.print(
+            f"note: served mixed the best plan is {served_mixed['method']}'s "
+            f"({served_mixed['lar_balanced_mixed']:.3f} against {in_order['method']}'s "
+            f"{in_order['lar_balanced_mixed']:.3f}), in trace order {in_order['method']}'s: "
+            "the plans were fitted on batches in the fitting trace's order. If your engine "
+            "batches requests mixed, fit with `moeplan fit --mixed-batches` "
+            "(docs/solvers.md, on the runtime's per-batch cap)",
+            soft_wrap=True,
+        )
 
 
 def comparison_table(result: dict, title: str, note: str | None = None) -> Table:
@@ -408,6 +458,8 @@ def comparison_table(result: dict, title: str, note: str | None = None) -> Table
             ("lar_ngram", "n-gram"), ("token_imbalance_balanced", "tok.imb."), ("expert_load_imbalance", "exp.imb."),
             ("gap_to_bound", "gap to bound"), ("ratio_to_best_baseline", "vs best base."), ("ratio_ci90", "90% CI"),
             ("ratio_to_vanilla", "vs vanilla"), ("seconds", "seconds")]  # fmt: skip
+    if any("lar_balanced_mixed" in r for r in result["rows"]):
+        cols.insert(2, ("lar_balanced_mixed", "bal. mixed"))
     if any("lar_balanced_fitting" in r for r in result["rows"]):
         cols.insert(2, ("lar_balanced_fitting", "fit. bal."))
     for _, head in cols:

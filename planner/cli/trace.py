@@ -232,3 +232,19 @@ def split(
         f"{s['requests']} requests: {s['requests'] - s['heldout_requests']} ({s['fit_tokens']} tokens) -> "
         f"{fit_out}, {s['heldout_requests']} ({s['heldout_tokens']} tokens) -> {heldout_out}"
     )
+
+
+@trace_app.command("shuffle")
+def shuffle(
+    path: str = typer.Argument(..., help="Trace whose requests to shuffle."),
+    out: str = typer.Option(..., "--out", help="Trace directory to write."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the request order."),
+    force: bool = typer.Option(False, "--force", help="Replace --out if it is an earlier trace."),
+) -> None:
+    """Write a trace with its requests in a random order, each request's rows together: its
+    runtime batches then mix requests a trace profiled domain by domain serves apart."""
+    from planner.predict.split import shuffle_requests
+
+    refuse_empty_paths(out=out)
+    s = shuffle_requests(path, out, seed, overwrite=force)
+    console.print(f"{s['requests']} requests ({s['tokens']} tokens) in a random order -> {out}")

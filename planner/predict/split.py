@@ -13,6 +13,10 @@
   ``domain``; synthetic traces their domain index) can also be split by domain
   (:func:`split_trace_by_domain`): the held-out side is every request of the named
   domains, for a test of how a plan carries over to traffic unlike what it was fitted on.
+- Not a split, but beside them: :func:`shuffle_requests` writes a trace's requests in a
+  random order, each request's rows kept together, for measuring a plan on the same
+  requests served in batches that mix them (a trace profiled one prompt domain after
+  another otherwise serves each domain in batches of its own).
 """
 
 from __future__ import annotations
@@ -34,8 +38,11 @@ from planner.trace.io import (
     EMBEDDINGS_FILE,
     PART_GLOB,
     TRACE_MEMBERS,
+    TraceBatch,
     TraceWriter,
+    check_distinct_occurrences,
     open_trace,
+    read_columns,
 )
 
 
@@ -251,18 +258,36 @@ def split_trace_by_domain(
     return {"kind": "domain", "heldout_domains": wanted, "domains": available} | counts
 
 
-def _write_sides(trace, fit_out, heldout_out, heldout_mask, overwrite: bool = False) -> dict:
-    """Stream ``trace`` into a fitting and a held-out trace by ``heldout_mask(batch)`` [T] bool.
+def _check_outputs(trace, outs: tuple, overwrite: bool, what: str) -> None:
+    """Refuse output trace directories ``outs`` that would lose a user's data.
 
     An existing output is replaced only with ``overwrite``: a mistyped --fit-out had
     replaced a recorded trace (its profile.json too, or an unfinished profile run) without
     a word, where ``trace synth`` and ``ingest`` ask for --force."""
-    for out in (fit_out, heldout_out):
+    for out in outs:
         if Path(out).suffix == ".parquet":  # it made a directory of that name
             raise InputError(
-                f"{out}: a split writes each side as a directory of parts (with the model's "
-                "embeddings, where the trace has them); give a name without .parquet"
+                f"{out}: {what} as a directory of parts (with the model's embeddings, where "
+                "the trace has them); give a name without .parquet"
             )
+    for out in outs:
+        check_output(
+            out, marker=PART_GLOB, what="trace", inputs=(trace.path,), members=TRACE_MEMBERS
+        )
+    for out in outs:  # (after: an input or a user's directory says so)
+        refuse_existing(out, overwrite)
+
+
+def _copy_embeddings(trace, tmp: str | Path) -> None:
+    """The model's embeddings, for `moeplan fit` on a written trace (nearest-token fallback)."""
+    embeddings = trace.path / EMBEDDINGS_FILE if trace.path.is_dir() else None
+    if embeddings is not None and embeddings.is_file():
+        shutil.copyfile(embeddings, Path(tmp) / EMBEDDINGS_FILE)
+
+
+def _write_sides(trace, fit_out, heldout_out, heldout_mask, overwrite: bool = False) -> dict:
+    """Stream ``trace`` into a fitting and a held-out trace by ``heldout_mask(batch)`` [T] bool
+    (existing outputs are replaced only with ``overwrite``: :func:`_check_outputs`)."""
     fit_at, held_at = Path(fit_out).resolve(), Path(heldout_out).resolve()
     if fit_at == held_at:
         raise InputError(f"--fit-out and --heldout-out are both {fit_out}; give two paths")
@@ -272,12 +297,7 @@ def _write_sides(trace, fit_out, heldout_out, heldout_mask, overwrite: bool = Fa
             f"--fit-out {fit_out} and --heldout-out {heldout_out} are nested; give two "
             "separate paths"
         )
-    for out in (fit_out, heldout_out):
-        check_output(
-            out, marker=PART_GLOB, what="trace", inputs=(trace.path,), members=TRACE_MEMBERS
-        )
-    for out in (fit_out, heldout_out):  # (after: an input or a user's directory says so)
-        refuse_existing(out, overwrite)
+    _check_outputs(trace, (fit_out, heldout_out), overwrite, "a split writes each side")
     counts = {"fit": 0, "heldout": 0}
     requests: dict[str, set] = {"fit": set(), "heldout": set()}
     # the last context to exit: from when both sides are written until both are renamed
@@ -302,11 +322,8 @@ def _write_sides(trace, fit_out, heldout_out, heldout_mask, overwrite: bool = Fa
                     writers[side].write(batch.select(mask))
                     counts[side] += int(mask.sum())
                     requests[side].update(np.unique(batch.request_id[mask]).tolist())
-        # the model's embeddings, for `moeplan fit` on either side (nearest-token fallback)
-        embeddings = trace.path / EMBEDDINGS_FILE if trace.path.is_dir() else None
-        if embeddings is not None and embeddings.is_file():
-            for tmp in (fit_tmp, held_tmp):
-                shutil.copyfile(embeddings, Path(tmp) / EMBEDDINGS_FILE)
+        for tmp in (fit_tmp, held_tmp):
+            _copy_embeddings(trace, tmp)
         commit.enter_context(signals_deferred())
     return {
         "fit_tokens": counts["fit"],
@@ -314,3 +331,62 @@ def _write_sides(trace, fit_out, heldout_out, heldout_mask, overwrite: bool = Fa
         "fit_requests": len(requests["fit"]),
         "heldout_requests": len(requests["heldout"]),
     }
+
+
+# Expert cells (rows x MoE layers x k) a shuffle holds at once: 2**27 cells are 512 MiB of
+# experts and gate weights (int16 and float16). A longer trace is read once for each block
+# of its new order.
+SHUFFLE_CELLS = 2**27
+
+
+def shuffle_requests(
+    path: str | Path, out: str | Path, seed: int = 0, *, overwrite: bool = False
+) -> dict:
+    """Write the trace at ``path`` to ``out`` with its requests in a random order drawn with
+    ``seed``, each request's rows kept together in position order.
+
+    ``moeplan evaluate`` caps each batch of B rows in trace order (DESIGN.md's balanced
+    LAR). A trace profiled one prompt file, or domain, after another serves each domain in
+    batches of its own, where a serving engine that batches many users' requests together
+    mixes them. The same requests shuffled measure a plan served that way: on the example,
+    plans fitted on its trace-order batches gave up 1.7% of their balanced LAR served mixed,
+    up to 4.4% (benchmarks/RESULTS.md, session 56). Extra columns and the model's embeddings
+    are kept. The output is written atomically and replaces an earlier trace only with
+    ``overwrite``. At most :data:`SHUFFLE_CELLS` expert cells are held at once: a longer
+    trace is read once for each block of that many cells of its new order.
+    """
+    seed = check_seed(seed)
+    trace = open_trace(path)
+    _check_outputs(trace, (out,), overwrite, "a shuffle writes the trace")
+    columns = [read_columns(p, ["request_id", "position"]) for p in trace.parts]
+    request = np.concatenate([np.zeros(0, np.int64)] + [c.column(0).to_numpy() for c in columns])
+    position = np.concatenate([np.zeros(0, np.int64)] + [c.column(1).to_numpy() for c in columns])
+    if request.size == 0:
+        raise InputError(f"{path}: the trace has no rows to shuffle")
+    check_distinct_occurrences(request, position, str(trace.path))
+    ids = np.unique(request)
+    rank = np.empty(ids.size, np.int64)  # each request's place in the new order
+    rank[np.random.default_rng(seed).permutation(ids.size)] = np.arange(ids.size)
+    order = np.lexsort((position, rank[np.searchsorted(ids, request)]))
+    new_index = np.empty(request.size, np.int64)  # each row's place in the new order
+    new_index[order] = np.arange(request.size)
+    meta = trace.meta
+    block_rows = max(1, SHUFFLE_CELLS // (meta.num_layers * meta.top_k))
+    extras = tuple(trace.extra_columns(in_any_part=True))
+    commit = contextlib.ExitStack()
+    with commit, atomic_path(out) as tmp:
+        writer = TraceWriter(tmp, meta, trace.extra_types())
+        for block in range(-(-request.size // block_rows)):
+            picked, places, offset = [], [], 0
+            for batch in trace.iter_batches(extras=extras, fill_missing=True):
+                place = new_index[offset : offset + len(batch)]
+                offset += len(batch)
+                mask = place // block_rows == block
+                if mask.any():
+                    picked.append(batch.select(mask))
+                    places.append(place[mask])
+            rows = TraceBatch.concat(picked)
+            writer.write(rows.select(np.argsort(np.concatenate(places))))
+        _copy_embeddings(trace, tmp)
+        commit.enter_context(signals_deferred())
+    return {"requests": int(ids.size), "tokens": int(request.size), "seed": seed}

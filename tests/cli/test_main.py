@@ -197,15 +197,24 @@ def test_bare_group_prints_its_help_as_it_reads(capsys):
 
 def test_deep_config_and_options_are_one_line(tmp_path, capsys):
     """Deeply nested TOML or JSON was a RecursionError traceback."""
-    deep = tmp_path / "deep.toml"
-    deep.write_text("[solve]\nseed = " + "[" * 1000 + "]" * 1000 + "\n")
-    assert main(["--config", str(deep), "trace", "info", "x"]) == 2
-    assert "not valid TOML (nested too deeply)" in capsys.readouterr().err
-    opts = '{"ceo":' + "[" * 1000 + "]" * 1000 + "}"
-    args = ["solve", str(tmp_path / "i"), "--out", str(tmp_path / "o"), "--ep", "2"]
-    args += ["--options", opts]
-    assert main(args) == 2
-    assert "--options is not JSON (nested too deeply)" in capsys.readouterr().err
+    import sys
+
+    # at Python's default limit: mypy, run in this process by tests/test_types.py, raises
+    # it, and 1000 levels then parse
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)
+    try:
+        deep = tmp_path / "deep.toml"
+        deep.write_text("[solve]\nseed = " + "[" * 1000 + "]" * 1000 + "\n")
+        assert main(["--config", str(deep), "trace", "info", "x"]) == 2
+        assert "not valid TOML (nested too deeply)" in capsys.readouterr().err
+        opts = '{"ceo":' + "[" * 1000 + "]" * 1000 + "}"
+        args = ["solve", str(tmp_path / "i"), "--out", str(tmp_path / "o"), "--ep", "2"]
+        args += ["--options", opts]
+        assert main(args) == 2
+        assert "--options is not JSON (nested too deeply)" in capsys.readouterr().err
+    finally:
+        sys.setrecursionlimit(limit)
 
 
 def test_config_that_is_empty_or_not_a_file(capsys):
@@ -250,6 +259,7 @@ def test_solve_refuses_options_it_would_not_use(tmp_path, capsys):
         (["trace", "ingest", "sglang", "D", "--out", ""], "--out"),
         (["trace", "split", "T", "--fit-out", "", "--heldout-out", "h"], "--fit-out"),
         (["trace", "split", "T", "--fit-out", "f", "--heldout-out", ""], "--heldout-out"),
+        (["trace", "shuffle", "T", "--out", ""], "--out"),
         (["trace", "info", "T", "--plot", ""], "--plot"),
         (["fit", "T", "--out", ""], "--out"),
         (["fit", "T", "--out", "p", "--embeddings", ""], "--embeddings"),

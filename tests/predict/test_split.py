@@ -424,3 +424,75 @@ def test_split_reads_wide_traces_in_smaller_batches(tmp_path, monkeypatch, batch
     ), batch_rows_asked
     monkeypatch.undo()
     assert open_trace(tmp_path / "a").num_rows + open_trace(tmp_path / "b").num_rows == t
+
+
+def _rows(path, extras=()):
+    from planner.trace import open_trace
+
+    return open_trace(path).read_all(extras=extras)
+
+
+def _as_sorted(batch):
+    key = np.lexsort((batch.position, batch.request_id))
+    return [getattr(batch, f)[key] for f in ("request_id", "position", "token_id", "experts")]
+
+
+def test_shuffle_keeps_every_row_and_each_request_together(tmp_path, exact_trace, monkeypatch):
+    import planner.predict.split as split
+
+    path, _ = exact_trace
+    s = split.shuffle_requests(path, tmp_path / "mixed", seed=3)
+    before, after = _rows(path, ("domain",)), _rows(tmp_path / "mixed", ("domain",))
+    assert s["tokens"] == len(before) == len(after)
+    assert s["requests"] == np.unique(before.request_id).size
+    for a, b in zip(_as_sorted(before), _as_sorted(after), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # each request's rows in one run, in position order; the requests in another order
+    runs = after.request_id[np.r_[True, after.request_id[1:] != after.request_id[:-1]]]
+    assert runs.size == s["requests"]
+    for r in runs[:20]:
+        assert np.all(np.diff(after.position[after.request_id == r]) > 0)
+    first_seen = before.request_id[np.sort(np.unique(before.request_id, return_index=True)[1])]
+    assert not np.array_equal(runs, first_seen)
+    # the domain column travels with its rows
+    key_a = np.lexsort((before.position, before.request_id))
+    key_b = np.lexsort((after.position, after.request_id))
+    np.testing.assert_array_equal(
+        np.asarray(before.extras["domain"])[key_a], np.asarray(after.extras["domain"])[key_b]
+    )
+    # the same seed gives the same order, another seed another; a trace read in blocks of
+    # a few rows (one pass a block) comes out the same
+    split.shuffle_requests(path, tmp_path / "again", seed=3)
+    np.testing.assert_array_equal(_rows(tmp_path / "again").request_id, after.request_id)
+    split.shuffle_requests(path, tmp_path / "other", seed=4)
+    assert not np.array_equal(_rows(tmp_path / "other").request_id, after.request_id)
+    from planner.trace import open_trace
+
+    meta = open_trace(path).meta
+    monkeypatch.setattr(split, "SHUFFLE_CELLS", 7 * meta.num_layers * meta.top_k)
+    split.shuffle_requests(path, tmp_path / "blocks", seed=3)
+    assert len(open_trace(tmp_path / "blocks").parts) == -(-len(before) // 7)
+    blocks = _rows(tmp_path / "blocks")
+    for f in ("request_id", "position", "token_id", "experts", "weights"):
+        np.testing.assert_array_equal(getattr(blocks, f), getattr(after, f))
+
+
+def test_trace_shuffle_cli_and_its_one_line_errors(tmp_path, exact_trace, capsys):
+    from planner.cli.main import main
+
+    path, _ = exact_trace
+    out = tmp_path / "mixed"
+    assert main(["trace", "shuffle", str(path), "--out", str(out), "--seed", "1"]) == 0
+    assert "in a random order ->" in capsys.readouterr().out
+    for args, message in (
+        ([str(path), "--out", str(out)], "already exists; choose another path or pass --force"),
+        ([str(path), "--out", str(tmp_path / "m.parquet")], "give a name without .parquet"),
+        ([str(path), "--out", str(out), "--force", "--seed", "-1"], "must be an integer in"),
+        ([str(tmp_path / "missing"), "--out", str(tmp_path / "x")], "missing"),
+    ):
+        capsys.readouterr()
+        assert main(["trace", "shuffle", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("moeplan: error:") and message in err and err.count("\n") == 1
+    assert main(["trace", "shuffle", str(path), "--out", str(out), "--force"]) == 0
+    assert not (tmp_path / "x").exists() and not (tmp_path / "m.parquet").exists()

@@ -485,3 +485,59 @@ def test_batch_prices_keep_the_placement_and_other_traces_score_every_plan(pipel
     )
     for row in result["rows"]:
         assert row["lar_balanced_again"] == pytest.approx(row["lar_balanced"])
+
+
+def test_compare_mixed_scores_the_held_out_requests_shuffled(pipeline, tmp_path, capsys):
+    """`compare --mixed` scores every plan on the held-out requests in the order
+    `trace shuffle --seed S` writes them (S = --seed), in batches of --batch-tokens."""
+    from planner.predict.split import shuffle_requests
+
+    d, _, _, predictor = pipeline
+    pred = tmp_path / "pred"
+    predictor.save(pred)
+    held = str(d / "held")
+    args = ["compare", str(pred), held, "--ep", "4", "--methods", "kmeans,vanilla"]
+    args += ["--batch-tokens", "256", "--seed", "2"]
+    assert main([*args, "--mixed", "--json"]) == 0
+    rows = {r["method"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    shuffle_requests(held, tmp_path / "mixed", seed=2)
+    from planner.evaluate import EvalConfig
+
+    config = dataclasses.replace(PlanConfig("kmeans", ep_size=4), seed=2)
+    bundle = bundle_from_plan(make_plan(predictor, config, progress=False))
+    by_256 = EvalConfig(batch_tokens=256)
+    mixed = evaluate_bundle(bundle, open_trace(tmp_path / "mixed"), by_256)["overall"]
+    in_order = evaluate_bundle(bundle, open_trace(held), by_256)["overall"]
+    assert rows["kmeans"]["lar_balanced_mixed"] == pytest.approx(mixed["lar_balanced"])
+    assert rows["kmeans"]["lar_balanced"] == pytest.approx(in_order["lar_balanced"])
+    # the held-out trace serves its two domains apart; mixed, the cap binds less
+    assert mixed["lar_balanced"] != pytest.approx(in_order["lar_balanced"])
+    assert main([*args, "--mixed"]) == 0
+    assert "bal. mixed" in capsys.readouterr().out
+    assert main(args) == 0
+    assert "bal. mixed" not in capsys.readouterr().out
+    other = synthesize(SynthConfig(**(SYNTH.__dict__ | {"model": "other"})), tmp_path / "o")
+    bad = ["compare", str(pred), str(other), "--ep", "4", "--methods", "vanilla", "--mixed"]
+    assert main(bad) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moeplan: error:") and "held-out trace" in err and err.count("\n") == 1
+
+
+def test_compare_says_when_another_plan_is_best_served_mixed(capsys):
+    from planner.cli.solve import MIXED_NOTE_MARGIN, _note_mixed_winner
+
+    def rows(mixed_b: float) -> list[dict]:
+        return [
+            {"method": "ceo", "lar_balanced": 0.46, "lar_balanced_mixed": 0.50},
+            {"method": "kmeans", "lar_balanced": 0.45, "lar_balanced_mixed": mixed_b},
+            {"method": "vanilla", "lar_balanced": 0.30, "lar_balanced_mixed": 0.90},
+        ]
+
+    _note_mixed_winner(rows(0.50 * (1 + MIXED_NOTE_MARGIN / 2)))  # within the noise
+    assert capsys.readouterr().err == ""
+    _note_mixed_winner(rows(0.52))
+    err = " ".join(capsys.readouterr().err.split())
+    assert "served mixed the best plan is kmeans's (0.520 against ceo's 0.500)" in err
+    assert "--mixed-batches" in err
+    _note_mixed_winner(rows(0.52)[1:])  # one solved plan: nothing to choose between
+    assert capsys.readouterr().err == ""
