@@ -25,7 +25,12 @@ from planner._checks import is_integer
 from planner._progress import progress_bar
 from planner.errors import InputError
 from planner.predict.affinity import TokenExpertAffinity, load_embeddings
-from planner.predict.batches import BATCH_TOKENS, BatchMixAccumulator, MixedBatchAccumulator
+from planner.predict.batches import (
+    BATCH_TOKENS,
+    BatchMixAccumulator,
+    MixedBatchAccumulator,
+    batch_spread,
+)
 from planner.predict.counts import (
     BUFFER_KEYS,
     CountsAccumulator,
@@ -225,14 +230,16 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
         # sampled layers were L/8 times as many a layer: 576 MiB once full)
         fold_acc = CountsAccumulator(fold_meta, BUFFER_KEYS * fold_layers.size // meta.num_layers)
     transitions = TransitionAccumulator(meta.num_layers, meta.num_experts, config.ngram_routed)
-    batches: BatchMixAccumulator | MixedBatchAccumulator
-    if config.mixed_batches:
-        seed = np.random.SeedSequence([config.seed, MIXED_BATCHES_STREAM])
-        batches = MixedBatchAccumulator(
-            meta.vocab_size, fit_ids, request_rows[fitting], seed, config.batch_tokens
-        )  # fmt: skip
-    else:
-        batches = BatchMixAccumulator(meta.vocab_size, config.batch_tokens)
+    # the fitting batches in both orders: the one asked for is the plan's, and how much
+    # more the trace order's spread than a random order's says whether that choice matters
+    orders = {
+        "trace": BatchMixAccumulator(meta.vocab_size, config.batch_tokens),
+        "mixed": MixedBatchAccumulator(
+            meta.vocab_size, fit_ids, request_rows[fitting],
+            np.random.SeedSequence([config.seed, MIXED_BATCHES_STREAM]), config.batch_tokens,
+        ),
+    }  # fmt: skip
+    order = "mixed" if config.mixed_batches else "trace"
     unknown_load = np.zeros((meta.num_layers, meta.num_experts), np.int64)
     unknown_top1 = np.zeros((meta.num_layers, meta.num_experts), np.int64)
     # Per-batch loads only for a moving average, over runtime batches of the fitting rows
@@ -258,7 +265,8 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
                 # one gather of fold B's rows at the sampled layers, not a copy of all layers
                 fold_acc.add(batch.token_id[in_b], batch.experts[in_b[:, None], fold_layers])
             transitions.add(batch.experts)
-            batches.add(batch.token_id, batch.request_id)
+            for batches in orders.values():
+                batches.add(batch.token_id, batch.request_id)
             if ema:
                 for load in ema_batches.add(batch.experts):
                     distribution.partial_fit(load)
@@ -325,10 +333,11 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
         # predicts next rebuilds the layers they use (on 1M DeepSeek-V3-shaped tokens, half
         # held out, they were 0.5 GB of the fit's peak memory, reached while saving).
         affinity.drop_tables()
-    mix = batches.result()
+    mixes = {name: batches.result() for name, batches in orders.items()}
+    mix = mixes[order]
     fit_info["batches"] = {"kept": mix.num_batches, "batch_tokens": mix.batch_tokens,
-                           "stride": mix.stride,
-                           "order": "mixed" if config.mixed_batches else "trace"}  # fmt: skip
+                           "stride": mix.stride, "order": order,
+                           "spread": {name: batch_spread(m) for name, m in mixes.items()}}  # fmt: skip
     predictor = Predictor(
         meta, affinity, distribution, trans, neural, fit_info, report, mix, shrinkage
     )

@@ -7,6 +7,8 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from planner.predict.batches import ORDER_NOTE_RATIO
+
 
 def _fmt(x, pct: bool = True) -> str:
     if x is None:
@@ -167,4 +169,26 @@ def render_fit_summary(fit_info: dict, out: str) -> Text:
     shrinkage = fit_info.get("token_shrinkage")
     if shrinkage:
         parts.append(f"token shrinkage m per layer {' '.join(f'{m:g}' for m in shrinkage)}")
-    return Text("; ".join(parts))
+    text = "; ".join(parts)
+    if note := batch_order_note(fit_info.get("batches") or {}):
+        text += f"\nnote: {note}"
+    return Text(text)
+
+
+def batch_order_note(batches: dict) -> str | None:
+    """What to say when the fitting batches in trace order spread far more than the same
+    requests' batches in a random order (:func:`planner.predict.batches.batch_spread`)."""
+    spread = batches.get("spread") or {}
+    in_order, mixed = spread.get("trace"), spread.get("mixed")
+    if batches.get("order") != "trace" or not in_order or not mixed:
+        return None
+    ratio = in_order / mixed
+    if ratio < ORDER_NOTE_RATIO:
+        return None
+    return (
+        f"the fitting trace's runtime batches differ from one another {ratio:.1f}x as much as "
+        "its requests in a random order would make them (a trace profiled one prompt file or "
+        "domain after another?). The plans follow the batches they are fitted on: if your "
+        "engine batches requests mixed, fit with --mixed-batches "
+        "(`moeplan compare --mixed` shows what it changes)"
+    )

@@ -119,3 +119,57 @@ def test_a_trace_served_one_domain_at_a_time_is_mixed(exact_trace) -> None:
     assert a.shape == b.shape and (a != b).nnz > 0
     again = fit_predictor(path, FitConfig(batch_tokens=512, holdout=0.3, mixed_batches=True))
     assert (again.predictor.batches.counts != b).nnz == 0  # seeded
+
+
+def test_batch_spread_is_the_mean_total_variation_from_all_batches() -> None:
+    from scipy import sparse
+
+    from planner.predict.batches import MIN_SPREAD_BATCHES, batch_spread
+
+    rng = np.random.default_rng(0)
+    counts = np.stack([np.bincount(rng.integers(0, 20 + 30 * (g % 2), 100), minlength=50)
+                       for g in range(6)])  # fmt: skip
+    p, q = counts / 100, counts.sum(axis=0) / counts.sum()
+    expected = np.mean(0.5 * np.abs(p - q).sum(axis=1))
+    assert batch_spread(BatchMix(sparse.csr_array(counts), 100)) == pytest.approx(expected)
+    # a shorter last batch is left out, and too few full batches give no figure
+    short = np.vstack([counts, np.eye(50, dtype=int)[0] * 7])
+    assert batch_spread(BatchMix(sparse.csr_array(short), 100)) == pytest.approx(expected)
+    few = counts[: MIN_SPREAD_BATCHES - 1]
+    assert batch_spread(BatchMix(sparse.csr_array(few), 100)) is None
+
+
+def _two_domain_trace(tmp_path):
+    """200 requests of 20 tokens: the first 100 use tokens 0-9, the last 100 tokens 10-19."""
+    from planner.trace import TraceBatch, TraceMeta, write_trace
+
+    rng = np.random.default_rng(1)
+    meta = TraceMeta("m", num_layers=2, num_experts=4, top_k=1, vocab_size=100)
+    request = np.repeat(np.arange(200), 20)
+    tokens = rng.integers(0, 10, request.size) + 10 * (request >= 100)
+    experts = (tokens[:, None, None] % 4 + np.zeros((1, 2, 1), int)).astype(np.int16)
+    batch = TraceBatch.from_arrays(
+        request, np.tile(np.arange(20), 200), tokens, experts, np.ones((request.size, 2, 1))
+    )
+    return write_trace(tmp_path / "t.parquet", meta, batch)
+
+
+def test_fit_says_when_the_trace_order_batches_are_far_from_mixed(tmp_path) -> None:
+    from planner.predict.batches import ORDER_NOTE_RATIO
+    from planner.predict.report import batch_order_note, render_fit_summary
+    from planner.predict.split import shuffle_requests
+
+    path = _two_domain_trace(tmp_path)
+    info = fit_predictor(path, FitConfig(batch_tokens=200)).predictor.fit_info
+    spread = info["batches"]["spread"]
+    assert spread["trace"] > ORDER_NOTE_RATIO * spread["mixed"]
+    assert "fit with --mixed-batches" in render_fit_summary(info, "p").plain
+    # fitted mixed, nothing to say; the same requests already shuffled spread alike
+    mixed = fit_predictor(path, FitConfig(batch_tokens=200, mixed_batches=True))
+    assert mixed.predictor.fit_info["batches"]["spread"] == spread
+    assert batch_order_note(mixed.predictor.fit_info["batches"]) is None
+    shuffle_requests(path, tmp_path / "shuffled", seed=5)
+    served = fit_predictor(tmp_path / "shuffled", FitConfig(batch_tokens=200)).predictor
+    ratio = served.fit_info["batches"]["spread"]["trace"] / spread["mixed"]
+    assert 0.8 < ratio < 1.2 and batch_order_note(served.fit_info["batches"]) is None
+    assert batch_order_note({"order": "trace", "spread": {"trace": None, "mixed": None}}) is None
