@@ -34,7 +34,7 @@ from planner.runtime_shim.tables import (
     ngram_row_index,
     online_candidates,
 )
-from planner.trace.io import Trace, TraceBatch, check_distinct_occurrences, read_columns
+from planner.trace.io import Trace, TraceBatch
 from planner.trace.schema import TraceMeta
 
 # Raw keys the oracle's counter buffers before it sorts them in (4 bytes each: 128 MB).
@@ -163,10 +163,7 @@ class _RequestSpans:
     """Per request (sorted ids): tokens in the trace, first position and position span."""
 
     def __init__(self, trace: Trace):
-        cols = [read_columns(p, ["request_id", "position"]) for p in trace.parts]
-        ids = np.concatenate([np.zeros(0, np.int64)] + [t.column(0).to_numpy() for t in cols])
-        pos = np.concatenate([np.zeros(0, np.int64)] + [t.column(1).to_numpy() for t in cols])
-        check_distinct_occurrences(ids, pos, str(trace.path))
+        ids, pos = trace.occurrences()
         self.request_ids, inverse, self.tokens = np.unique(
             ids, return_inverse=True, return_counts=True
         )

@@ -40,9 +40,7 @@ from planner.trace.io import (
     TRACE_MEMBERS,
     TraceBatch,
     TraceWriter,
-    check_distinct_occurrences,
     open_trace,
-    read_columns,
 )
 
 
@@ -358,12 +356,9 @@ def shuffle_requests(
     seed = check_seed(seed)
     trace = open_trace(path)
     _check_outputs(trace, (out,), overwrite, "a shuffle writes the trace")
-    columns = [read_columns(p, ["request_id", "position"]) for p in trace.parts]
-    request = np.concatenate([np.zeros(0, np.int64)] + [c.column(0).to_numpy() for c in columns])
-    position = np.concatenate([np.zeros(0, np.int64)] + [c.column(1).to_numpy() for c in columns])
+    request, position = trace.occurrences()
     if request.size == 0:
         raise InputError(f"{path}: the trace has no rows to shuffle")
-    check_distinct_occurrences(request, position, str(trace.path))
     ids = np.unique(request)
     rank = np.empty(ids.size, np.int64)  # each request's place in the new order
     rank[np.random.default_rng(seed).permutation(ids.size)] = np.arange(ids.size)

@@ -637,10 +637,15 @@ class Trace:
         share a (request, position) pair, since a trace holds one row per token occurrence.
 
         Reads two columns only (about 20 bytes a row at its peak). ``trace info``, ``trace
-        split``, ``fit`` and ``compare`` call it first (``evaluate`` checks the same columns
-        as it reads them, :func:`check_distinct_occurrences`), so a repeated occurrence is
+        split``, ``fit`` and ``compare`` call it first (``evaluate`` and ``trace shuffle``
+        read the same columns through :meth:`occurrences`), so a repeated occurrence is
         refused before the work rather than counted twice.
         """
+        return np.unique(self.occurrences()[0], return_counts=True)
+
+    def occurrences(self) -> tuple[np.ndarray, np.ndarray]:
+        """(request_id [T], position [T]) of every row, in trace order; SchemaError if two
+        rows share a (request, position) pair or a part's column holds nulls."""
         columns = [read_columns(p, ["request_id", "position"]) for p in self.parts]
         if not columns:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
@@ -654,7 +659,7 @@ class Trace:
         pos = np.concatenate([c.column(1).to_numpy() for c in columns])
         del columns
         check_distinct_occurrences(rid, pos, str(self.path))
-        return np.unique(rid, return_counts=True)
+        return rid, pos
 
 
 def open_trace(path: str | os.PathLike[str], *, unfinished: bool = False) -> Trace:
