@@ -232,7 +232,7 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
     transitions = TransitionAccumulator(meta.num_layers, meta.num_experts, config.ngram_routed)
     # the fitting batches in both orders: the one asked for is the plan's, and how much
     # more the trace order's spread than a random order's says whether that choice matters
-    orders = {
+    orders: dict[str, BatchMixAccumulator | MixedBatchAccumulator] = {
         "trace": BatchMixAccumulator(meta.vocab_size, config.batch_tokens),
         "mixed": MixedBatchAccumulator(
             meta.vocab_size, fit_ids, request_rows[fitting],
