@@ -359,10 +359,10 @@ def shuffle_requests(
     request, position = trace.occurrences()
     if request.size == 0:
         raise InputError(f"{path}: the trace has no rows to shuffle")
-    ids = np.unique(request)
+    ids, request_index = np.unique(request, return_inverse=True)
     rank = np.empty(ids.size, np.int64)  # each request's place in the new order
     rank[np.random.default_rng(seed).permutation(ids.size)] = np.arange(ids.size)
-    order = np.lexsort((position, rank[np.searchsorted(ids, request)]))
+    order = np.lexsort((position, rank[request_index]))
     new_index = np.empty(request.size, np.int64)  # each row's place in the new order
     new_index[order] = np.arange(request.size)
     meta = trace.meta
