@@ -63,13 +63,23 @@ def comma_names(text: str) -> list[str]:
     return list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
 
 
-def refuse_empty_paths(**paths: str | None) -> None:
-    """InputError for a path option given as "": ``Path("")`` is ".", the folder the command
-    runs in, so an empty ``--out`` was written into it, or refused for another reason than
-    the real one, and an empty ``--plot`` drew nothing without a word."""
+def refuse_empty_paths(
+    arguments: dict[str, str | list[str] | None] | None = None, **options: str | None
+) -> None:
+    """InputError for a path given as "": ``Path("")`` is ".", the folder the command runs
+    in, so an empty ``--out`` was written into it, or refused for another reason than the
+    real one, an empty ``--plot`` drew nothing without a word, and an empty input (``evaluate
+    PLAN HELDOUT --against ''``, ``solve --align-to ''``) read the folder the command ran in,
+    as a plan or a trace, where it was one.
+
+    ``arguments``: the command's positional paths by name (a list: each of its paths), named
+    as its usage line shows them (``{heldout}``); ``options``: its path options by name."""
     from planner.errors import InputError
 
-    for name, value in paths.items():
+    for name, value in (arguments or {}).items():
+        if value == "" or (isinstance(value, list) and "" in value):
+            raise InputError(f"{{{name}}} is empty; give a path")
+    for name, value in options.items():
         if value == "":
             raise InputError(f"--{name.replace('_', '-')} is empty; give a path")
 

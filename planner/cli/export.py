@@ -93,6 +93,7 @@ def export(
     directory that also holds each engine file. With a single engine format alone, OUT is
     that one file.
     """
+    refuse_empty_paths({"plan": plan})
     if verify:
         # (values from a --config file's [export] table stand down; typed ones are refused)
         if out and typed(ctx, "out"):
@@ -244,7 +245,7 @@ def evaluate(
     config = EvalConfig(batch_tokens, slack, hidden_size, dtype_bytes)  # checks the values
     if require_better and against is None:
         raise InputError("--require-better needs --against: the deployed plan to beat")
-    refuse_empty_paths(plot=plot)
+    refuse_empty_paths({"plan": plan, "heldout": heldout}, plot=plot, against=against)
     if plot:
         check_plot_path(plot, inputs=tuple(filter(None, (plan, heldout, against))))
     bundle = load_tables(plan)

@@ -6,12 +6,19 @@ from pathlib import Path
 
 import typer
 
-from planner.cli.app import app, console, print_json, refuse_empty_paths, typed
+from planner.cli.app import app, comma_names, console, print_json, refuse_empty_paths, typed
 from planner.errors import InputError
 
 
-def _csv(value: str | None) -> tuple[str, ...]:
-    return tuple(v.strip() for v in value.split(",") if v.strip()) if value else ()
+def _domains(value: str | None, option: str) -> tuple[str, ...]:
+    """The domains a counts option names (none given: every domain); a value naming none
+    (",") is refused, not read as every domain."""
+    if value is None:
+        return ()
+    names = comma_names(value)
+    if not names:
+        raise InputError(f"{option} {value!r} names no domain; give comma-separated domains")
+    return tuple(names)
 
 
 @app.command("fit")
@@ -105,7 +112,9 @@ def fit(
     from planner.predict.predictor import check_destination
     from planner.predict.report import render_fit_summary, render_report
 
-    refuse_empty_paths(out=out, embeddings=embeddings)
+    refuse_empty_paths({"trace": trace}, out=out, embeddings=embeddings)
+    if model is not None and not model.strip():  # matched every model as a substring
+        raise InputError("--model is empty; name the model to read")
     if not Path(trace).exists():
         raise InputError(f"{trace}: no such trace or counts file")
     check_destination(out, inputs=(trace, *([embeddings] if embeddings else [])))
@@ -137,8 +146,8 @@ def fit(
         batch_rows=batch_rows,
         batch_tokens=batch_tokens,
         mixed_batches=mixed_batches,
-        counts=CountsSelection(model, _csv(domain), num_experts, top_k, vocab_size),
-        eval_domains=_csv(eval_domain),
+        counts=CountsSelection(model, _domains(domain, "--domain"), num_experts, top_k, vocab_size),
+        eval_domains=_domains(eval_domain, "--eval-domain"),
         progress=not as_json,
     )
     result = fit_predictor(trace, config)

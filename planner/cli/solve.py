@@ -189,7 +189,7 @@ def solve(
     as_json: bool = typer.Option(False, "--json", help="Print the per-layer reports as JSON."),
 ) -> None:
     """Place every layer's experts on E devices and give every token a device."""
-    refuse_empty_paths(out=out)
+    refuse_empty_paths({"predictor": predictor}, out=out, align_to=align_to)
     # the deployed plan is read first: a path that is none is named as such
     deployed = None if align_to is None else load_tables(align_to)
     inputs = tuple(filter(None, (predictor, align_to)))
@@ -292,6 +292,7 @@ def _note_unreached_cap(
 
 @app.command("compare")
 def compare(
+    ctx: typer.Context,
     predictor: str = typer.Argument(..., help="Predictor directory from `moeplan fit`."),
     heldout: str = typer.Argument(..., help="Held-out v1 trace."),
     methods: str = typer.Option(
@@ -353,7 +354,7 @@ def compare(
     ),
 ) -> None:
     """Solve with each method and compare held-out LAR, balance and time, with the oracle bound."""
-    refuse_empty_paths(plot=plot)
+    refuse_empty_paths({"predictor": predictor, "heldout": heldout}, plot=plot, fitting=fitting)
     if plot:
         check_plot_path(plot, inputs=tuple(filter(None, (predictor, heldout, fitting))))
     names = comma_names(methods)
@@ -365,6 +366,12 @@ def compare(
             f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(SOLVERS)}"
         )
     opts = _options(options)
+    unused = [m for m in opts if m not in names]
+    if unused and typed(ctx, "options"):  # (a --config file's options may cover more methods)
+        raise InputError(
+            f"--options sets {', '.join(map(repr, unused))}, not among --methods "
+            f"{','.join(names)}; add the method or drop its options"
+        )
     pred = load_predictor(predictor)
     _check_lp_path(opts, pred.meta.num_layers, (predictor, heldout, fitting), (plot,))
     trace = open_trace(heldout)

@@ -25,7 +25,7 @@ def info(
     ),
 ) -> None:
     """Model, layers, experts, top-k, tokens, requests and per-layer load skewness of a trace."""
-    refuse_empty_paths(plot=plot)
+    refuse_empty_paths({"path": path}, plot=plot)
     if plot:
         check_plot_path(plot, inputs=(path,))
     summary = trace_summary(path)
@@ -143,7 +143,7 @@ def ingest_sglang(
     """Convert SGLang expert-distribution per_token dumps (physical ids -> logical experts)."""
     from planner.trace.ingest_sglang import ingest_sglang as run_ingest
 
-    refuse_empty_paths(out=out)
+    refuse_empty_paths({"dumps": dumps}, out=out)
     stats = run_ingest(
         dumps, out, model=model, vocab_size=vocab_size, skip_decode=skip_decode, overwrite=force
     )
@@ -199,7 +199,7 @@ def split(
     from planner.errors import InputError
     from planner.predict.split import format_domains, split_trace, split_trace_by_domain
 
-    refuse_empty_paths(fit_out=fit_out, heldout_out=heldout_out)
+    refuse_empty_paths({"path": path}, fit_out=fit_out, heldout_out=heldout_out)
     if (
         heldout_domain is not None
         and not typed(ctx, "heldout_domain")
@@ -245,6 +245,6 @@ def shuffle(
     runtime batches then mix requests a trace profiled domain by domain serves apart."""
     from planner.predict.split import shuffle_requests
 
-    refuse_empty_paths(out=out)
+    refuse_empty_paths({"path": path}, out=out)
     s = shuffle_requests(path, out, seed, overwrite=force)
     console.print(f"{s['requests']} requests ({s['tokens']} tokens) in a random order -> {out}")

@@ -493,6 +493,8 @@ def read_counts_table(
                 f"{path}: counts schema_version {declared.get('schema_version')} is not supported (expected 1)"
             )
     table = read_columns(path)
+    if not table.num_rows:  # (it was said to hold several models, none named)
+        raise InputError(f"{path}: the counts table holds no rows")
     model = _pick_model(table, selection.model, path)
     if model is None and selection.model is not None:
         # no model column: --model must name the model the metadata records

@@ -110,8 +110,11 @@ class DistributionPredictor:
             p, load, batches = tensors["probabilities"], tensors["load"], tensors["batches"]
         except KeyError as e:
             raise SchemaError(f"distribution tensors lack {e.args[0]!r}") from None
-        if p.shape != shape or load.shape != shape:
-            raise SchemaError(f"distribution tensors have shape {p.shape}, expected {shape}")
+        for name, tensor in (("probabilities", p), ("load", load)):
+            if tensor.shape != shape:
+                raise SchemaError(
+                    f"distribution tensor {name!r} has shape {tensor.shape}, expected {shape}"
+                )
         if not np.isfinite(p).all() or (p < 0).any():
             raise SchemaError("distribution probabilities must be finite and non-negative")
         if p.size and not np.allclose(p.sum(axis=1), 1.0, rtol=0.0, atol=1e-6):

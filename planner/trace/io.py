@@ -22,6 +22,7 @@ from planner._checks import is_integer
 from planner._io import atomic_path, check_output
 from planner.errors import InputError, MismatchError, SchemaError
 from planner.trace.schema import (
+    COUNTS_COLUMNS,
     META_KEY,
     REQUIRED_COLUMNS,
     TraceMeta,
@@ -441,7 +442,15 @@ def _read_part_meta(part: Path) -> tuple[TraceMeta, pa.Schema, int]:
     schema = pf.schema_arrow
     md = schema.metadata or {}
     if META_KEY not in md:
-        if {"layer", "expert", "count"} <= set(schema.names):
+        # columns no trace has: a counts table, whole or with a column missing (which was
+        # then called a trace without metadata)
+        if {"layer", "expert", "count"} & set(schema.names):
+            missing = [c for c in COUNTS_COLUMNS if c not in schema.names]
+            if missing:
+                raise SchemaError(
+                    f"{part}: a token-expert counts table lacks column(s) "
+                    f"{', '.join(missing)} (it needs {', '.join(COUNTS_COLUMNS)})"
+                )
             raise SchemaError(f"{part}: this is a token-expert counts table, not a v1 trace")
         raise SchemaError(f"{part}: not a v1 trace (no 'moeplan' metadata in the Parquet schema)")
     raw = md[META_KEY]

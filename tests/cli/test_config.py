@@ -216,3 +216,28 @@ def test_a_vanilla_plan_records_only_what_it_ran(setup, tmp_path):
                  "--out", str(out)]) == 0  # fmt: skip
     config = json.loads((out / "plan.json").read_text())["config"]
     assert config["chain_passes"] == 0 and config["options"] == {}
+
+
+def test_compare_refuses_typed_options_for_a_method_it_does_not_run(setup, tmp_path, capsys):
+    """`compare --methods kmeans --options '{"ceo": ...}'` ran without the options or a word
+    (`solve` refused the same); a --config file's options may cover more methods."""
+    args = ["compare", str(setup / "pred"), str(setup / "held"), "--ep", "2"]
+    args += ["--methods", "kmeans,vanilla"]
+    assert main([*args, "--options", '{"ceo": {"effort": 5}}']) == 2
+    err = capsys.readouterr().err
+    assert "--options sets 'ceo', not among --methods kmeans,vanilla" in err
+    cfg = _config(tmp_path, "[compare]\noptions = { ceo = { effort = 5 } }\n")
+    assert main(["--config", cfg, *args, "--json"]) == 0
+    assert [r["method"] for r in json.loads(capsys.readouterr().out)["rows"]] == [
+        "kmeans",
+        "vanilla",
+    ]
+
+
+def test_an_empty_path_from_the_file_is_refused_too(setup, tmp_path, monkeypatch, capsys):
+    """`align-to = ""` read the folder the command ran in as the deployed plan."""
+    cfg = _config(tmp_path, '[solve]\nep = 2\nalign-to = ""\n')
+    monkeypatch.chdir(tmp_path)
+    args = ["--config", cfg, "solve", str(setup / "pred"), "--out", str(tmp_path / "o")]
+    assert main(args) == 2
+    assert capsys.readouterr().err == "moeplan: error: --align-to is empty; give a path\n"

@@ -265,6 +265,22 @@ def test_solve_refuses_options_it_would_not_use(tmp_path, capsys):
         (["fit", "T", "--out", "p", "--embeddings", ""], "--embeddings"),
         (["solve", "P", "--ep", "2", "--out", ""], "--out"),
         (["compare", "P", "H", "--ep", "2", "--plot", ""], "--plot"),
+        # inputs: "" read the folder the command ran in, as a plan or trace where it was one
+        (["trace", "info", ""], "{path}"),
+        (["trace", "ingest", "sglang", "D", "", "--out", "o"], "{dumps}"),
+        (["trace", "split", "", "--fit-out", "f", "--heldout-out", "h"], "{path}"),
+        (["trace", "shuffle", "", "--out", "o"], "{path}"),
+        (["fit", "", "--out", "p"], "{trace}"),
+        (["solve", "", "--ep", "2", "--out", "o"], "{predictor}"),
+        (["solve", "P", "--ep", "2", "--out", "o", "--align-to", ""], "--align-to"),
+        (["compare", "", "H", "--ep", "2"], "{predictor}"),
+        (["compare", "P", "", "--ep", "2"], "{heldout}"),
+        (["compare", "P", "H", "--ep", "2", "--fitting", ""], "--fitting"),
+        (["export", "", "--out", "b"], "{plan}"),
+        (["export", "", "--verify"], "{plan}"),
+        (["evaluate", "", "H"], "{plan}"),
+        (["evaluate", "P", ""], "{heldout}"),
+        (["evaluate", "P", "H", "--against", ""], "--against"),
     ],
 )
 def test_an_empty_path_is_named_not_taken_for_the_current_directory(

@@ -274,3 +274,50 @@ def test_fit_reads_a_wide_model_in_smaller_chunks_and_fits_the_same(tmp_path, ba
     fixed = fit_predictor(trace, FitConfig(holdout=0.5, batch_rows=700)).predictor
     for name, table in auto.affinity.to_tensors().items():
         np.testing.assert_array_equal(table, fixed.affinity.to_tensors()[name], err_msg=name)
+
+
+def _small_counts(path, rows: int, drop: str | None = None) -> str:
+    """A counts table in the OLMoE export's layout (no moeplan metadata) of Mixtral's shape
+    (top-2: each token's two rows count two distinct experts once), ``rows`` rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    token = np.arange(rows) // 2
+    expert = np.random.default_rng(0).integers(0, 8, rows) // 2 * 2 + np.arange(rows) % 2
+    table = pa.table({
+        "model": pa.array(["Mixtral-8x7B"] * rows).dictionary_encode(),
+        "domain": pa.array(np.where(token % 2, "book", "arxiv")).dictionary_encode(),
+        "layer": pa.array(np.zeros(rows, np.int16)),
+        "token_id": pa.array(token.astype(np.int32)),
+        "expert": pa.array(expert.astype(np.int16)),
+        "count": pa.array(np.ones(rows, np.int32)),
+    })  # fmt: skip
+    if drop:
+        table = table.drop_columns([drop])
+    pq.write_table(table, path)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "rows, drop, args, message",
+    [
+        # it said the table held "counts of several models ()"
+        (0, None, [], "the counts table holds no rows"),
+        # it said "not a v1 trace (no 'moeplan' metadata in the Parquet schema)"
+        (40, "count", [], "a token-expert counts table lacks column(s) count"),
+        # blank filters read every domain or every model
+        (40, None, ["--domain", ","], "--domain ',' names no domain"),
+        (40, None, ["--domain", "arxiv", "--eval-domain", " "], "--eval-domain ' ' names no"),
+        (40, None, ["--model", ""], "--model is empty; name the model to read"),
+    ],
+)
+def test_counts_tables_that_say_nothing_are_named(tmp_path, capsys, rows, drop, args, message):
+    path = _small_counts(tmp_path / "c.parquet", rows, drop)
+    capsys.readouterr()
+    assert main(["fit", path, "--out", str(tmp_path / "p"), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moeplan: error:") and message in err and "\n" not in err
+    assert not (tmp_path / "p").exists()
+    if not drop and rows:  # the same table with real filters fits
+        args = ["--domain", "arxiv", "--eval-domain", "book"]
+        assert main(["fit", path, "--out", str(tmp_path / "q"), *args]) == 0

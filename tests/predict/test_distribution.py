@@ -91,3 +91,19 @@ def test_fit_feeds_runtime_batches_to_a_moving_average(exact_trace):
         last.predictor.distribution.predict(),
         empirical_distribution(batch_load(experts[cuts[-1] :], n)),
     )
+
+
+def test_saved_tensors_of_a_wrong_shape_are_named_in_the_error():
+    """The message names the tensor whose shape is wrong (it printed the probabilities'
+    shape, the expected one, when the load was the wrong one)."""
+    from planner.errors import SchemaError
+
+    d = DistributionPredictor().fit([np.array([[3, 1], [0, 4]])])
+    tensors = d.to_tensors()
+    DistributionPredictor.from_tensors(tensors, None, (2, 2))
+    bad = tensors | {"load": tensors["load"][:1]}
+    with pytest.raises(SchemaError, match=r"'load' has shape \(1, 2\), expected \(2, 2\)"):
+        DistributionPredictor.from_tensors(bad, None, (2, 2))
+    bad = tensors | {"probabilities": tensors["probabilities"].T[:, :1]}
+    with pytest.raises(SchemaError, match=r"'probabilities' has shape \(2, 1\)"):
+        DistributionPredictor.from_tensors(bad, None, (2, 2))
