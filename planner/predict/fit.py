@@ -314,6 +314,8 @@ def _fit_trace(path: Path, config: FitConfig) -> FitResult:
         ),
         **timings,
     }
+    if missing := trace.missing_parts():  # recorded only then: other predictors unchanged
+        fit_info["missing_parts"] = missing
     report = None
     if split is not None:
         parts = HeldoutParts(

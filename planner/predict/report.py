@@ -8,6 +8,7 @@ from rich.table import Table
 from rich.text import Text
 
 from planner.predict.batches import ORDER_NOTE_RATIO
+from planner.trace.info import missing_parts_note
 
 
 def _fmt(x, pct: bool = True) -> str:
@@ -170,6 +171,8 @@ def render_fit_summary(fit_info: dict, out: str) -> Text:
     if shrinkage:
         parts.append(f"token shrinkage m per layer {' '.join(f'{m:g}' for m in shrinkage)}")
     text = "; ".join(parts)
+    if missing := fit_info.get("missing_parts"):
+        text += f"\nnote: {missing_parts_note(missing)}"
     if note := batch_order_note(fit_info.get("batches") or {}):
         text += f"\nnote: {note}"
     return Text(text)

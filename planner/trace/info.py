@@ -85,6 +85,7 @@ def trace_summary(path: str | Path) -> dict:
         "vocab_size": m.vocab_size,
         "moe_layer_indices": list(m.moe_layer_indices),
         "parts": len(trace.parts),
+        "missing_parts": trace.missing_parts(),
         "bytes": size,
         "bytes_per_token": round(size / acc.tokens, 2) if acc.tokens else None,
     } | acc.summary()
@@ -107,4 +108,15 @@ def render_summary(s: dict) -> Table:
         for i, v in zip(layers, s["skewness_per_layer"], strict=True)
     )
     table.add_row("skewness (max/mean)", Text(skew))
+    if missing := s.get("missing_parts"):
+        table.add_row("missing parts", Text(f"{missing_parts_note(missing)}", style="yellow"))
     return table
+
+
+def missing_parts_note(missing: list[str]) -> str:
+    """What to say of a trace directory whose part numbering skips ``missing``."""
+    shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+    return (
+        f"the numbering of the trace's parts skips {shown}: a part lost or removed? Every "
+        "command reads the parts that are there"
+    )

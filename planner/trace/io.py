@@ -573,6 +573,16 @@ class Trace:
                     types.setdefault(n, schema.field(n).type)
         return types
 
+    def missing_parts(self) -> list[str]:
+        """Names of the numbered parts a directory's numbering skips (``part-00001.parquet``
+        where parts 0 and 2 are there): :class:`TraceWriter` numbers parts from 0 without
+        gaps, so a gap is most likely a part lost or removed. Parts named otherwise say
+        nothing; a single-file trace has none."""
+        numbers = {int(m.group(1)) for p in self.parts if (m := _PART_RE.match(p.name))}
+        if not self.path.is_dir() or not numbers:
+            return []
+        return [f"part-{n:05d}.parquet" for n in range(max(numbers)) if n not in numbers]
+
     def parts_without(self, column: str) -> list[Path]:
         """The parts that lack ``column``."""
         return [p for p, s in zip(self.parts, self._schemas, strict=True) if column not in s.names]

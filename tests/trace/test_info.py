@@ -127,3 +127,32 @@ def test_summary_reads_wide_traces_in_smaller_batches(tmp_path, batch_rows_asked
     assert batch_rows_asked and all(
         rows * 48 * 8 <= WIDE_BATCH_CELLS for rows in batch_rows_asked
     ), batch_rows_asked
+
+
+def test_a_gap_in_the_part_numbering_is_said(tmp_path, capsys):
+    """A trace directory with part-00001 deleted was read without a word (its requests cut
+    short counted as whole); `trace info` and `fit` now say which parts the numbering skips.
+    """
+    from planner.trace.synth import SynthConfig, synthesize
+
+    config = SynthConfig(num_layers=2, num_experts=4, top_k=1, vocab_size=50, num_tokens=3000,
+                         num_requests=12, seed=0)  # fmt: skip
+    whole = synthesize(config, tmp_path / "t", rows_per_part=1000)
+    assert trace_summary(whole)["missing_parts"] == []
+    assert main(["fit", str(whole), "--out", str(tmp_path / "p0")]) == 0
+    assert "numbering" not in capsys.readouterr().out
+    assert (
+        "missing_parts" not in json.loads((tmp_path / "p0" / "predictor.json").read_text())["fit"]
+    )
+    (whole / "part-00001.parquet").unlink()
+    s = trace_summary(whole)
+    assert s["missing_parts"] == ["part-00001.parquet"] and s["tokens"] == 2000
+    text = io.StringIO()
+    from rich.console import Console
+
+    Console(file=text, width=200).print(render_summary(s))
+    assert "skips part-00001.parquet: a part lost or removed?" in text.getvalue()
+    capsys.readouterr()
+    assert main(["fit", str(whole), "--out", str(tmp_path / "p1")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "note: the numbering of the trace's parts skips part-00001.parquet" in out
