@@ -109,7 +109,7 @@ def render_summary(s: dict) -> Table:
     )
     table.add_row("skewness (max/mean)", Text(skew))
     if missing := s.get("missing_parts"):
-        table.add_row("missing parts", Text(f"{missing_parts_note(missing)}", style="yellow"))
+        table.add_row("missing parts", Text(missing_parts_note(missing), style="yellow"))
     return table
 
 

@@ -574,14 +574,22 @@ class Trace:
         return types
 
     def missing_parts(self) -> list[str]:
-        """Names of the numbered parts a directory's numbering skips (``part-00001.parquet``
-        where parts 0 and 2 are there): :class:`TraceWriter` numbers parts from 0 without
-        gaps, so a gap is most likely a part lost or removed. Parts named otherwise say
-        nothing; a single-file trace has none."""
-        numbers = {int(m.group(1)) for p in self.parts if (m := _PART_RE.match(p.name))}
-        if not self.path.is_dir() or not numbers:
+        """The numbered parts a directory's numbering skips, a gap an entry
+        (``part-00001.parquet`` where parts 0 and 2 are there; ``part-00003.parquet to
+        part-00005.parquet``): :class:`TraceWriter` numbers parts from 0 without gaps, so a
+        gap is most likely a part lost or removed. Parts named otherwise say nothing; a
+        single-file trace has none."""
+        if not self.path.is_dir():
             return []
-        return [f"part-{n:05d}.parquet" for n in range(max(numbers)) if n not in numbers]
+        numbers = sorted({int(m.group(1)) for p in self.parts if (m := _PART_RE.match(p.name))})
+        gaps = []
+        for before, after in zip([-1, *numbers], numbers, strict=False):
+            first, last = f"part-{before + 1:05d}.parquet", f"part-{after - 1:05d}.parquet"
+            if after - before == 2:
+                gaps.append(first)
+            elif after - before > 2:
+                gaps.append(f"{first} to {last}")
+        return gaps
 
     def parts_without(self, column: str) -> list[Path]:
         """The parts that lack ``column``."""

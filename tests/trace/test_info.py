@@ -156,3 +156,5 @@ def test_a_gap_in_the_part_numbering_is_said(tmp_path, capsys):
     assert main(["fit", str(whole), "--out", str(tmp_path / "p1")]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "note: the numbering of the trace's parts skips part-00001.parquet" in out
+    (whole / "part-00000.parquet").unlink()  # a gap of several parts is one entry
+    assert trace_summary(whole)["missing_parts"] == ["part-00000.parquet to part-00001.parquet"]
