@@ -195,7 +195,7 @@ def test_ilp_lp_path_never_replaces_an_input_or_lands_in_the_plan(predictor_dir,
     assert not plan.exists()
     held = str(predictor_dir / "trace")
     opts = json.dumps({"ilp": {"lp_path": str(predictor_dir / "trace" / "program.lp")}})
-    args = ["compare", str(pred), held, "--ep", "2", "--methods", "vanilla", "--options", opts]
+    args = ["compare", str(pred), held, "--ep", "2", "--methods", "ilp", "--options", opts]
     assert main(args) == 2
     assert "reads its input" in capsys.readouterr().err
 
