@@ -93,11 +93,12 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
     Exact for two [R, H] matrices with unit column stride and the same row stride (column
     slices of one wider matrix do not overlap); otherwise any intersection of their address
-    ranges counts.
+    ranges counts. Addresses, not storage objects, are compared: two views of one buffer
+    can have storages of their own (``torch.from_dlpack``, two ``torch.from_numpy`` views
+    of one array), and a shortcut on distinct storages let such an ``out=`` overwrite rows
+    the gather had still to read.
     """
     if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
-        return False
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
 
     def span(t: torch.Tensor) -> tuple[int, int]:

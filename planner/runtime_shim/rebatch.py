@@ -44,6 +44,7 @@ from planner.runtime_shim._data import (
     out_of_range,
     overlaps,
     overlaps_itself,
+    require_data,
     require_tensor,
     unwrap_id,
 )
@@ -257,6 +258,8 @@ def check_info(info: RebatchInfo) -> None:
         raise InputError(
             f"info must be the RebatchInfo rebatch returned, got {type(info).__name__}"
         )
+    for name in ("slot_to_token", "token_to_slot", "counts"):  # (a meta-device info)
+        require_data(getattr(info, name), f"info.{name}")
 
 
 def _use_triton(x: torch.Tensor, backend: str, out: torch.Tensor | None = None) -> bool:

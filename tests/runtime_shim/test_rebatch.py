@@ -251,6 +251,11 @@ def test_meta_tensors_are_refused_with_one_line():
         resume(shuffled.to("meta"), info)
     with pytest.raises(InputError, match="hidden is on the meta device"):
         apply_rebatch(meta_x, info)
+    # an info moved to the meta device was the same NotImplementedError, deep inside
+    with pytest.raises(InputError, match="info.slot_to_token is on the meta device"):
+        resume(shuffled, info.to("meta"))
+    with pytest.raises(InputError, match="info.slot_to_token is on the meta device"):
+        apply_rebatch(torch.zeros(3, 2), info.to("meta"))
 
 
 def test_arguments_of_the_wrong_type_are_one_line_errors():
@@ -317,6 +322,18 @@ def test_out_overlapping_the_input_is_refused():
     wide = torch.cat([x, torch.zeros(4, 2)], 1)  # disjoint halves of one storage are fine
     rebatch(wide[:, :2], devices, 2, out=wide[:, 2:])
     assert torch.equal(wide[:, 2:], shuffled)
+    # a view of the same memory with a storage object of its own (from_dlpack): a shortcut
+    # on distinct storages let out= overwrite rows the gather had still to read
+    buf = torch.arange(40.0).reshape(10, 4)
+    six = torch.tensor([1, 1, 0, 0, 0, 1])
+    with pytest.raises(InputError, match="out overlaps hidden in memory"):
+        rebatch(buf[0:6], six, 2, out=torch.from_dlpack(buf[1:7]))
+    shuffled, info = rebatch(buf[0:6].clone(), six, 2)
+    with pytest.raises(InputError, match="out overlaps shuffled in memory"):
+        resume(buf[0:6], info, out=torch.from_dlpack(buf[1:7]))
+    apart = torch.from_dlpack(buf[6:10])  # its own storage object, memory apart: fine
+    rebatch(buf[0:4], devices, 2, out=apart)
+    assert torch.equal(buf[6:10], rebatch(buf[0:4].clone(), devices, 2)[0])
 
 
 def test_plan_rebatch_names_a_uint64_device_id_by_its_true_value():
