@@ -29,6 +29,12 @@ _MAX_PROPOSAL_ROUNDS = 64
 _TIE_EPS = 1e-9
 # Problems with at most this many token x device entries are assigned exactly (0-1 program).
 _EXACT_ENTRIES = 256
+# The exact program's bound: branch-and-bound nodes, so that where it gives up does not
+# depend on the machine's speed (a 2-second clock did; 200 nodes took 1.7 s on the reference
+# machine, on a 30-token, 6-device program at beta 1.0 whose cap no assignment meets and
+# HiGHS cannot prove so), and a clock far above it in case a node is slow.
+_EXACT_NODES = 200
+_EXACT_SECONDS = 30.0
 # Tokens considered by the pairwise exchange pass (the heaviest; all when J is at most this).
 _EXCHANGE_TOKENS = 256
 # Tokens heavier than this share of the mean device capacity are placed one by one first.
@@ -229,7 +235,7 @@ def _assign_exact(
     with native_stdout():  # HiGHS' debug lines, which no option silences
         result = milp(
             -gain.ravel(), constraints=[one_device, capacity], integrality=np.ones(gain.size),
-            bounds=Bounds(0, 1), options={"time_limit": 2.0},
+            bounds=Bounds(0, 1), options={"node_limit": _EXACT_NODES, "time_limit": _EXACT_SECONDS},
         )  # fmt: skip
     if result.x is None:
         return None
