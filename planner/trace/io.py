@@ -406,8 +406,14 @@ def _part_batches(part: Path, batch_rows: int, columns: list[str]) -> Iterator[p
 
 def _part_order(part: Path) -> tuple[int, str]:
     """Numbered parts by their number (part-9 before part-10), others after them by name."""
+    number = _part_number(part)
+    return (number, "") if number is not None else (1 << 62, part.name)
+
+
+def _part_number(part: Path) -> int | None:
+    """N of a part named ``part-N.parquet``; None for a part named otherwise."""
     m = _PART_RE.match(part.name)
-    return (int(m.group(1)), "") if m else (1 << 62, part.name)
+    return int(m.group(1)) if m else None
 
 
 def trace_parts(path: str | Path) -> list[Path]:
@@ -581,7 +587,7 @@ class Trace:
         single-file trace has none."""
         if not self.path.is_dir():
             return []
-        numbers = sorted({int(m.group(1)) for p in self.parts if (m := _PART_RE.match(p.name))})
+        numbers = sorted({n for p in self.parts if (n := _part_number(p)) is not None})
         gaps = []
         for before, after in zip([-1, *numbers], numbers, strict=False):
             first, last = f"part-{before + 1:05d}.parquet", f"part-{after - 1:05d}.parquet"
@@ -768,7 +774,7 @@ class TraceWriter:
                     f"{self.directory}: already holds a trace of other MoE layers ({differ}); "
                     "refusing to add parts"
                 )
-        indices = [int(m.group(1)) for q in existing if (m := _PART_RE.match(q.name))]
+        indices = [n for q in existing if (n := _part_number(q)) is not None]
         self._next = max(indices, default=-1) + 1
 
     def write(self, batch: TraceBatch) -> Path:
