@@ -109,17 +109,24 @@ def assign_tokens(
     gain = np.asarray(gain, dtype=np.float64)
     freq = np.asarray(freq, dtype=np.float64)
     room = np.broadcast_to(np.asarray(capacity, dtype=np.float64), (gain.shape[1],))
-    # Loads below 1 (frequencies given as shares, say) are scaled up, gains alike, by a power
-    # of two, which is exact and leaves the prices (gain per unit of load) as they are, so
-    # that the absolute tolerances below and HiGHS's stay small against them: with loads
-    # of 1e-9, every token fitted anywhere within them. Loads of 1 and more stay as they are.
-    shift = shift_to_one(np.concatenate((room, freq)))
-    if shift == 0:
+    # Loads below 1 (frequencies given as shares, say) are scaled up by a power of two, and
+    # gains below 1 by their own, which is exact, so that the absolute tolerances below and
+    # HiGHS's stay small against them: with loads of 1e-9, every token fitted anywhere
+    # within them; with gains of 1e-8 against loads of 1-10, the exchanges took every gain
+    # for noise (CEO's LAR 0.377 where it was 0.497 unscaled). Values of 1 and more stay as
+    # they are. The prices (gain per unit of load) are returned in the caller's units.
+    load_shift = shift_to_one(np.concatenate((room, freq)))
+    gain_shift = shift_to_one(gain.ravel())
+    if load_shift == gain_shift == 0:
         return _assign_tokens(gain, freq, room, prices, sweeps, exact, effort)
-    return _assign_tokens(
-        np.ldexp(gain, shift), np.ldexp(freq, shift), np.ldexp(room, shift), prices, sweeps,
-        exact, effort,
+    price_shift = gain_shift - load_shift
+    if prices is not None:
+        prices = np.ldexp(np.asarray(prices, dtype=np.float64), price_shift)
+    result = _assign_tokens(
+        np.ldexp(gain, gain_shift), np.ldexp(freq, load_shift), np.ldexp(room, load_shift),
+        prices, sweeps, exact, effort,
     )  # fmt: skip
+    return Assignment(result.token_to_device, np.ldexp(result.prices, -price_shift))
 
 
 def shift_to_one(values: np.ndarray) -> int:
@@ -158,15 +165,20 @@ def _assign_tokens(
             # fallback too, planner.solve.ilp)
             solved = _assign_exact(gain[busy], freq[busy], room, heavy_fill=True)
         if solved is None:
-            # none fits still: the heaviest load the steps below reach, a cap some assignment
-            # meets (the ILP's start_load): the slack rule's alone had let a device go to
-            # 86 where the greedy kept every device within 52 (cap 50.5)
+            # none fits still: every device's room raised by the least amount some
+            # assignment of these loads needs (the same whatever the experts, so every
+            # placement is scored under one rule; the ILP's start_load, whose start is
+            # this assignment), or by what the steps below reach where that is less (the
+            # slack rule's alone had let a device go to 86 where the greedy kept every
+            # device within 52, cap 50.5)
             greedy = _assign_tokens(gain, freq, capacity, prices, sweeps, False, effort)
-            reached = float(
-                np.bincount(greedy.token_to_device[busy], weights=freq[busy], minlength=e).max()
-            )
-            if reached < float((room + freq[busy].max()).min()):
-                solved = _assign_exact(gain[busy], freq[busy], np.maximum(room, reached))
+            reached = np.bincount(greedy.token_to_device[busy], weights=freq[busy], minlength=e)
+            lift = float((reached - room).max())
+            least = least_lift(freq[busy], room)
+            if least is not None:
+                lift = min(lift, least)
+            if lift < float(freq[busy].max()):
+                solved = _assign_exact(gain[busy], freq[busy], room + lift)
             if solved is None:
                 # then one maximal token above the cap, the slack rule of
                 # planner.solve.problem and the ILP's last fallback
@@ -207,11 +219,127 @@ def _assign_tokens(
     # integrality matters for heavy tokens: pairwise exchanges among them (all tokens when
     # there are few)
     cand = heavy if num_tokens > _EXCHANGE_TOKENS else busy
+    cand = cand[np.argsort(-freq[cand], kind="stable")[:_EXCHANGE_TOKENS]]
     if cand.size > 1:
-        cand = cand[np.argsort(-freq[cand], kind="stable")[:_EXCHANGE_TOKENS]]
         _exchange(gain, freq, room, token_to_device, cand, tol, effort=effort)
         _move_to_room(gain, freq, room, token_to_device, tol, effort=effort)
+    if np.isfinite(capacity).all() and _packing_failed(freq, capacity, token_to_device, tol):
+        # some tokens fitted nowhere though none of them is heavier than a device's cap
+        # alone: the heaviest load reached becomes every device's cap (the exact path's
+        # rule, and the ILP's start_load), and tokens move and trade within it
+        peak = float((capacity - room).max())
+        room += np.maximum(peak - capacity, 0.0)
+        _move_to_room(gain, freq, room, token_to_device, tol, effort=effort)
+        if cand.size > 1:
+            _exchange(gain, freq, room, token_to_device, cand, tol, effort=effort)
+            _move_to_room(gain, freq, room, token_to_device, tol, effort=effort)
     return Assignment(token_to_device, price)
+
+
+def assign_penalised_exact(gain: np.ndarray, freq: np.ndarray, theta: float) -> np.ndarray | None:
+    """The token assignment of a few tokens (at most ``_EXACT_ENTRIES`` loaded token x device
+    entries) that maximises penalty mode's objective, ``(1 - theta) * sum_j gain[j, t_j] -
+    theta * sum_d |load_d - S / E|``, exactly (a 0-1 program); None for more tokens or where
+    the program finds none. The ladder of caps penalty mode otherwise tries scores gains
+    only under each cap: with every gain tied, five unit tokens on four devices came out
+    2, 2, 0, 1 (objective 1.0) on every rung instead of 2, 1, 1, 1 (1.75)."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix, eye, hstack, kron
+
+    gain = np.asarray(gain, dtype=np.float64)
+    freq = np.asarray(freq, dtype=np.float64)
+    num_tokens, e = gain.shape
+    t = gain.argmax(axis=1) if num_tokens else np.zeros(0, dtype=np.int64)
+    busy = np.flatnonzero(freq > 0)
+    if busy.size * e > _EXACT_ENTRIES or not np.isfinite(gain).all():
+        return None
+    if busy.size == 0:
+        return t.astype(np.int64)
+    # one power of two for gains and loads alike: the objective mixes them
+    shift = shift_to_one(np.concatenate((gain[busy].ravel(), freq[busy])))
+    g, a = np.ldexp(gain[busy], shift), np.ldexp(freq[busy], shift)
+    mean = float(a.sum()) / e
+    n = busy.size * e
+    # variables: y [busy, E] then dev [E]; dev_d >= |load_d - mean|
+    one_device = LinearConstraint(
+        hstack([kron(eye(busy.size), np.ones((1, e))), coo_matrix((busy.size, e))]), 1, 1
+    )
+    rows = np.tile(np.arange(e), busy.size)
+    load = coo_matrix((np.repeat(a, e), (rows, np.arange(n))), shape=(e, n))
+    above = LinearConstraint(hstack([load, -eye(e)]), -np.inf, mean)
+    below = LinearConstraint(hstack([-load, -eye(e)]), -np.inf, -mean)
+    cost = np.r_[-(1.0 - theta) * g.ravel(), np.full(e, theta)]
+    with native_stdout():
+        result = milp(
+            cost, constraints=[one_device, above, below],
+            integrality=np.r_[np.ones(n), np.zeros(e)],
+            bounds=Bounds(np.zeros(n + e), np.r_[np.ones(n), np.full(e, np.inf)]),
+            options={"node_limit": _EXACT_NODES, "time_limit": _EXACT_SECONDS},
+        )  # fmt: skip
+    if result.x is None:
+        return None
+    t = t.astype(np.int64)
+    t[busy] = result.x[:n].reshape(busy.size, e).argmax(axis=1)
+    return t
+
+
+def least_lift(freq: np.ndarray, room: np.ndarray) -> float | None:
+    """The least s >= 0 such that some assignment of tokens of loads ``freq`` puts at most
+    ``room + s`` on every device (a makespan problem; it does not depend on the gains): the
+    best the 0-1 program finds within its node limit (the least wherever it proves it), None
+    where it finds none. For a few tokens, as on the exact path; cached by its inputs."""
+    key = (
+        np.asarray(freq, dtype=np.float64).tobytes(),
+        np.asarray(room, dtype=np.float64).tobytes(),
+    )
+    if key not in _LIFTS:
+        if len(_LIFTS) >= 1024:
+            _LIFTS.clear()
+        _LIFTS[key] = _least_lift(
+            np.asarray(freq, dtype=np.float64), np.asarray(room, dtype=np.float64)
+        )
+    return _LIFTS[key]
+
+
+_LIFTS: dict[tuple[bytes, bytes], float | None] = {}
+
+
+def _least_lift(freq: np.ndarray, room: np.ndarray) -> float | None:
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix, eye, hstack, kron
+
+    num_tokens, e = freq.size, room.size
+    n = num_tokens * e
+    one_device = LinearConstraint(
+        hstack([kron(eye(num_tokens), np.ones((1, e))), np.zeros((num_tokens, 1))]), 1, 1
+    )
+    rows = np.tile(np.arange(e), num_tokens)
+    per_device = coo_matrix((np.repeat(freq, e), (rows, np.arange(n))), shape=(e, n))
+    capacity = LinearConstraint(hstack([per_device, -np.ones((e, 1))]), -np.inf, room)
+    cost = np.zeros(n + 1)
+    cost[-1] = 1.0
+    with native_stdout():
+        result = milp(
+            cost, constraints=[one_device, capacity],
+            integrality=np.r_[np.ones(n), 0.0], bounds=Bounds(np.zeros(n + 1), np.r_[np.ones(n), np.inf]),
+            options={"node_limit": _EXACT_NODES, "time_limit": _EXACT_SECONDS},
+        )  # fmt: skip
+    if result.x is None:
+        return None
+    t = result.x[:n].reshape(num_tokens, e).argmax(axis=1)
+    loads = np.bincount(t, weights=freq, minlength=e)
+    return max(float((loads - room).max()), 0.0)
+
+
+def _packing_failed(
+    freq: np.ndarray, capacity: np.ndarray, token_to_device: np.ndarray, tol: float
+) -> bool:
+    """Whether a device is over its cap even with each token counted as at most that cap
+    (:func:`heavy_fill_loads`): over it by packing, not only by one token too heavy for any
+    device, which the heavy-fill rule lets fill a device alone."""
+    counted = np.minimum(freq, capacity[token_to_device])
+    loads = np.bincount(token_to_device, weights=counted, minlength=capacity.size)
+    return bool((loads > capacity + tol).any())
 
 
 def _assign_exact(

@@ -19,7 +19,8 @@ dev_d`` with ``dev_d >= |load_d - S/E|`` ("penalty" mode). Constraints (named as
   counted as at most the cap (a token heavier than the cap fills a device alone; where one
   is, no program meets the plain cap, and this rule is the first program solved), then
   under the heaviest load its start (the shared assignment) reached, where that is lower
-  than the next rule's, then with the cap raised by the heaviest token on every device (the
+  than the next rule's (on a few tokens, the least any assignment of them reaches:
+  :func:`planner.solve.assign.least_lift`), then with the cap raised by the heaviest token on every device (the
   slack rule of :mod:`planner.solve.problem`); ``info["token_rule"]`` (``cap``,
   ``heavy_fill``, ``start_load`` or ``slack``) and ``info["token_cap"]`` say which
   (``program_token_rule`` and
@@ -280,7 +281,7 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
             "ilp: the solver returned an expert placement that breaks N/E per device"
         )
     exact = keep.size == problem.num_tokens
-    shift, bound = _program_shift(sub, capacity), _bound(prog, solver)
+    shift, bound = _program_shifts(sub, capacity)[0], _bound(prog, solver)
     t = None
     if exact:
         t = np.array([_argmax_var(y_vars[j]) for j in range(problem.num_tokens)], dtype=np.int64)
@@ -289,7 +290,7 @@ def solve(problem: LayerProblem, config: SolverConfig) -> LayerPlacement:
         and problem.balance == "cap"
         and _over_cap(problem, t, capacity, token_rule == "heavy_fill")
     )
-    if overrun:  # a safety net: the scaling of _program_shift keeps tolerances from this
+    if overrun:  # a safety net: the scaling of _program_shifts keeps tolerances from this
         t = None
     info = {
         "status": status,
@@ -359,8 +360,9 @@ def build_program(
     # activations and loads all below 1 (given as shares) are scaled up by a power of two,
     # and any of 2**30 or more down: HiGHS's tolerances are absolute (at 1e-9 it took every
     # objective for zero) and it reads 1e20 as infinite
-    shift = _program_shift(problem, cap)
-    w, freq, cap = problem.affinity, np.ldexp(problem.token_freq, shift), math.ldexp(cap, shift)
+    shift, load_shift = _program_shifts(problem, cap)
+    w = problem.affinity
+    freq, cap = np.ldexp(problem.token_freq, load_shift), math.ldexp(cap, load_shift)
     prog = pulp.LpProblem("moeplan_coplacement", pulp.LpMaximize)
     x_vars = [
         {
@@ -437,15 +439,26 @@ def _over_cap(problem: LayerProblem, t: np.ndarray, capacity: float, heavy_fill:
 _MAX_COEFFICIENT_LOG2 = 30
 
 
-def _program_shift(problem: LayerProblem, capacity: float) -> int:
-    """The power of two the program's coefficients are scaled by: positive when all are below
-    1 (:func:`planner.solve.assign.shift_to_one`), negative when the largest is 2**30 or more
-    (it then lies in [2**29, 2**30)), else 0. Exact, and one for activations and loads alike,
-    so that penalty mode's objective keeps its meaning."""
+def _program_shifts(problem: LayerProblem, capacity: float) -> tuple[int, int]:
+    """The powers of two the program's activations and its loads are scaled by (see
+    :func:`_coefficient_shift`). Exact. In cap mode each has its own, as the objective holds
+    activations only and the cap constraints loads only: with one for both, activations of
+    1e-8 against loads of 1-10 stayed at 1e-8, HiGHS's absolute gap took them for noise and
+    reported "optimal" for a LAR of 0.44 where the optimum is 0.50. Penalty mode's objective
+    mixes the two, so there both share one."""
     # a cap no load can reach is left out: a huge one (beta 1e15) scaled every activation to
     # noise HiGHS's tolerances ignored, and it returned the start as "optimal"
     binding = [capacity] if capacity < float(problem.token_freq.sum()) else []
-    values = np.concatenate((problem.affinity.data, problem.token_freq, binding))
+    loads = np.concatenate((problem.token_freq, binding))
+    if problem.balance != "cap":
+        shift = _coefficient_shift(np.concatenate((problem.affinity.data, loads)))
+        return shift, shift
+    return _coefficient_shift(problem.affinity.data), _coefficient_shift(loads)
+
+
+def _coefficient_shift(values: np.ndarray) -> int:
+    """Positive when every value is below 1 (:func:`planner.solve.assign.shift_to_one`),
+    negative when the largest is 2**30 or more (it then lies in [2**29, 2**30)), else 0."""
     top = float(np.abs(values[np.isfinite(values)]).max(initial=0.0))
     if top >= 2.0**_MAX_COEFFICIENT_LOG2:
         return _MAX_COEFFICIENT_LOG2 - 1 - math.floor(math.log2(top))
