@@ -312,3 +312,28 @@ def test_gains_in_other_units_than_the_loads_give_the_same_assignment(j: int) ->
     again = assign.assign_tokens(gain * scale, freq, cap, prices=small.prices, exact=False)
     warm = assign.assign_tokens(gain, freq, cap, prices=counts.prices, exact=False)
     np.testing.assert_array_equal(again.token_to_device, warm.token_to_device)
+
+
+def test_where_the_program_finds_nothing_below_the_slack_rule_the_greedy_is_kept(
+    monkeypatch,
+) -> None:
+    # the program gives up within its node limit under every room but the slack rule's
+    # (cap + the heaviest token): the greedy's own answer, within its peak, is kept rather
+    # than the slack rule's program, which had let a device go from 29.5 to 42.2 (cap 29.2)
+    from planner.solve.problem import LayerProblem
+
+    p = LayerProblem(PACKED_W, PACKED_A, 4)
+    gain = device_gains(p, np.array([0, 1, 2, 3, 2, 1, 0, 3, 3, 0, 2, 1]))
+    exact_program = assign._assign_exact
+    slack = p.capacity + PACKED_A.max()
+
+    def only_at_the_slack_rule(gain, freq, room, heavy_fill=False):
+        return exact_program(gain, freq, room, heavy_fill) if room.min() >= slack else None
+
+    monkeypatch.setattr(assign, "_assign_exact", only_at_the_slack_rule)
+    t = assign.assign_tokens(gain, p.token_freq, p.capacity, sweeps=10).token_to_device
+    greedy = assign.assign_tokens(
+        gain, p.token_freq, p.capacity, sweeps=10, exact=False
+    ).token_to_device
+    np.testing.assert_array_equal(t, greedy)
+    assert np.bincount(t, weights=PACKED_A, minlength=4).max() == 27.0
