@@ -14,8 +14,9 @@ The kernels charge their work to an optional ``effort`` meter (:mod:`planner.sol
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -254,43 +255,29 @@ def assign_penalised_exact(gain: np.ndarray, freq: np.ndarray, theta: float) -> 
     the program finds none. The ladder of caps penalty mode otherwise tries scores gains
     only under each cap: with every gain tied, five unit tokens on four devices came out
     2, 2, 0, 1 (objective 1.0) on every rung instead of 2, 1, 1, 1 (1.75)."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import coo_matrix, eye, hstack, kron
-
     gain = np.asarray(gain, dtype=np.float64)
     freq = np.asarray(freq, dtype=np.float64)
-    num_tokens, e = gain.shape
-    t = gain.argmax(axis=1) if num_tokens else np.zeros(0, dtype=np.int64)
+    e = gain.shape[1]
+    t = gain.argmax(axis=1).astype(np.int64)  # load-free rows: their best device
     busy = np.flatnonzero(freq > 0)
     if busy.size * e > _EXACT_ENTRIES or not np.isfinite(gain).all():
         return None
     if busy.size == 0:
-        return t.astype(np.int64)
+        return t
     # one power of two for gains and loads alike: the objective mixes them
     shift = shift_to_one(np.concatenate((gain[busy].ravel(), freq[busy])))
     g, a = np.ldexp(gain[busy], shift), np.ldexp(freq[busy], shift)
     mean = float(a.sum()) / e
-    n = busy.size * e
-    # variables: y [busy, E] then dev [E]; dev_d >= |load_d - mean|
-    one_device = LinearConstraint(
-        hstack([kron(eye(busy.size), np.ones((1, e))), coo_matrix((busy.size, e))]), 1, 1
+    # the continuous variables dev_d >= |load_d - mean|
+    y = _solve_assignment(
+        np.r_[-(1.0 - theta) * g.ravel(), np.full(e, theta)],
+        np.broadcast_to(a[:, None], g.shape),
+        [(1.0, mean), (-1.0, -mean)],
+        extra=e,
     )
-    rows = np.tile(np.arange(e), busy.size)
-    load = coo_matrix((np.repeat(a, e), (rows, np.arange(n))), shape=(e, n))
-    above = LinearConstraint(hstack([load, -eye(e)]), -np.inf, mean)
-    below = LinearConstraint(hstack([-load, -eye(e)]), -np.inf, -mean)
-    cost = np.r_[-(1.0 - theta) * g.ravel(), np.full(e, theta)]
-    with native_stdout():
-        result = milp(
-            cost, constraints=[one_device, above, below],
-            integrality=np.r_[np.ones(n), np.zeros(e)],
-            bounds=Bounds(np.zeros(n + e), np.r_[np.ones(n), np.full(e, np.inf)]),
-            options={"node_limit": _EXACT_NODES, "time_limit": _EXACT_SECONDS},
-        )  # fmt: skip
-    if result.x is None:
+    if y is None:
         return None
-    t = t.astype(np.int64)
-    t[busy] = result.x[:n].reshape(busy.size, e).argmax(axis=1)
+    t[busy] = y
     return t
 
 
@@ -299,47 +286,21 @@ def least_lift(freq: np.ndarray, room: np.ndarray) -> float | None:
     ``room + s`` on every device (a makespan problem; it does not depend on the gains): the
     best the 0-1 program finds within its node limit (the least wherever it proves it), None
     where it finds none. For a few tokens, as on the exact path; cached by its inputs."""
-    key = (
-        np.asarray(freq, dtype=np.float64).tobytes(),
-        np.asarray(room, dtype=np.float64).tobytes(),
-    )
-    if key not in _LIFTS:
-        if len(_LIFTS) >= 1024:
-            _LIFTS.clear()
-        _LIFTS[key] = _least_lift(
-            np.asarray(freq, dtype=np.float64), np.asarray(room, dtype=np.float64)
-        )
-    return _LIFTS[key]
+    freq = np.ascontiguousarray(freq, dtype=np.float64)
+    room = np.ascontiguousarray(room, dtype=np.float64)
+    return _least_lift(freq.tobytes(), room.tobytes())
 
 
-_LIFTS: dict[tuple[bytes, bytes], float | None] = {}
-
-
-def _least_lift(freq: np.ndarray, room: np.ndarray) -> float | None:
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import coo_matrix, eye, hstack, kron
-
-    num_tokens, e = freq.size, room.size
-    n = num_tokens * e
-    one_device = LinearConstraint(
-        hstack([kron(eye(num_tokens), np.ones((1, e))), np.zeros((num_tokens, 1))]), 1, 1
-    )
-    rows = np.tile(np.arange(e), num_tokens)
-    per_device = coo_matrix((np.repeat(freq, e), (rows, np.arange(n))), shape=(e, n))
-    capacity = LinearConstraint(hstack([per_device, -np.ones((e, 1))]), -np.inf, room)
-    cost = np.zeros(n + 1)
-    cost[-1] = 1.0
-    with native_stdout():
-        result = milp(
-            cost, constraints=[one_device, capacity],
-            integrality=np.r_[np.ones(n), 0.0], bounds=Bounds(np.zeros(n + 1), np.r_[np.ones(n), np.inf]),
-            options={"node_limit": _EXACT_NODES, "time_limit": _EXACT_SECONDS},
-        )  # fmt: skip
-    if result.x is None:
+@functools.lru_cache(maxsize=1024)
+def _least_lift(freq_bytes: bytes, room_bytes: bytes) -> float | None:
+    freq, room = np.frombuffer(freq_bytes), np.frombuffer(room_bytes)
+    cost = np.zeros(freq.size * room.size + 1)
+    cost[-1] = 1.0  # minimise the one continuous variable s: load_d - s <= room_d
+    load = np.broadcast_to(freq[:, None], (freq.size, room.size))
+    t = _solve_assignment(cost, load, [(1.0, room)], extra=1)
+    if t is None:
         return None
-    t = result.x[:n].reshape(num_tokens, e).argmax(axis=1)
-    loads = np.bincount(t, weights=freq, minlength=e)
-    return max(float((loads - room).max()), 0.0)
+    return max(float((np.bincount(t, weights=freq, minlength=room.size) - room).max()), 0.0)
 
 
 def _assign_exact(
@@ -349,25 +310,51 @@ def _assign_exact(
 
     ``heavy_fill``: a token heavier than a device's room counts as that room there, so it
     may sit on the device alone (:func:`heavy_fill_loads`)."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import coo_matrix, eye, kron
-
-    num_tokens, e = gain.shape
-    one_device = LinearConstraint(kron(eye(num_tokens), np.ones((1, e))), 1, 1)
     load = (
         heavy_fill_loads(freq, room) if heavy_fill else np.broadcast_to(freq[:, None], gain.shape)
     )
-    rows = np.broadcast_to(np.arange(e), gain.shape).ravel()
-    per_device = coo_matrix((load.ravel(), (rows, np.arange(gain.size))), shape=(e, gain.size))
-    capacity = LinearConstraint(per_device, -np.inf, room)
+    return _solve_assignment(-gain.ravel(), load, [(1.0, room)])
+
+
+def _solve_assignment(
+    cost: np.ndarray, load: np.ndarray, bounds: list[tuple[float, Any]], extra: int = 0
+) -> np.ndarray | None:
+    """The tokens' devices in the optimum of a 0-1 program over ``y[j, d]`` (each token on
+    one device; HiGHS via scipy, within ``_EXACT_NODES`` nodes), None where it finds none.
+
+    Args:
+        cost: [J * E + extra] minimised; y row-major, then ``extra`` continuous variables
+            ``v >= 0``: one (``extra`` 1) or one per device (``extra`` E).
+        load: [J, E] what token j adds to device d's load.
+        bounds: (sign, upper) pairs, each E constraints ``sign * load_d - v_d <= upper``
+            (``v`` the one extra variable when there is one; no ``v`` without them).
+    """
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix, eye, hstack, kron
+
+    num_tokens, e = load.shape
+    n = num_tokens * e
+    one_device = kron(eye(num_tokens), np.ones((1, e)))
+    rows = np.tile(np.arange(e), num_tokens)
+    loads = coo_matrix((np.ravel(load), (rows, np.arange(n))), shape=(e, n))
+    if extra:
+        one_device = hstack([one_device, coo_matrix((num_tokens, extra))])
+        coupling = -eye(e) if extra == e else -np.ones((e, 1))
+    constraints = [LinearConstraint(one_device, 1, 1)]
+    for sign, upper in bounds:
+        block = sign * loads
+        if extra:
+            block = hstack([block, coupling])
+        constraints.append(LinearConstraint(block, -np.inf, upper))
     with native_stdout():  # HiGHS' debug lines, which no option silences
         result = milp(
-            -gain.ravel(), constraints=[one_device, capacity], integrality=np.ones(gain.size),
-            bounds=Bounds(0, 1), options={"node_limit": _EXACT_NODES, "time_limit": _EXACT_SECONDS},
+            cost, constraints=constraints, integrality=np.r_[np.ones(n), np.zeros(extra)],
+            bounds=Bounds(np.zeros(n + extra), np.r_[np.ones(n), np.full(extra, np.inf)]),
+            options={"node_limit": _EXACT_NODES, "time_limit": _EXACT_SECONDS},
         )  # fmt: skip
     if result.x is None:
         return None
-    return result.x.reshape(num_tokens, e).argmax(axis=1).astype(np.int64)
+    return result.x[:n].reshape(num_tokens, e).argmax(axis=1).astype(np.int64)
 
 
 def heavy_fill_loads(freq: np.ndarray, room: np.ndarray | float) -> np.ndarray:

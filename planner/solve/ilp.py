@@ -20,8 +20,8 @@ dev_d`` with ``dev_d >= |load_d - S/E|`` ("penalty" mode). Constraints (named as
   is, no program meets the plain cap, and this rule is the first program solved), then
   under the heaviest load its start (the shared assignment) reached, where that is lower
   than the next rule's (on a few tokens, the least any assignment of them reaches:
-  :func:`planner.solve.assign.least_lift`), then with the cap raised by the heaviest token on every device (the
-  slack rule of :mod:`planner.solve.problem`); ``info["token_rule"]`` (``cap``,
+  :func:`planner.solve.assign.least_lift`), then with the cap raised by the heaviest token
+  on every device (the slack rule of :mod:`planner.solve.problem`); ``info["token_rule"]`` (``cap``,
   ``heavy_fill``, ``start_load`` or ``slack``) and ``info["token_cap"]`` say which
   (``program_token_rule`` and
   ``program_token_cap`` when the program held only the most frequent tokens, whose own cap
