@@ -256,11 +256,12 @@ PACKED_W = np.array([
 PACKED_A = np.array([15.0, 9.0, 18.0, 6.0, 15.0, 3.0, 19.0, 12.0])
 
 
-def test_the_greedy_that_overflows_by_packing_works_within_the_peak_it_reached() -> None:
-    """Where tokens fit nowhere by packing (none heavier than the cap), the exact path caps
-    every device at the heaviest load the greedy reached; the greedy kept the others within
-    the cap and scored this placement 110.95 against the exact path's 130.17 at the same
-    peak, so CEO's search, which scores its samples with the greedy, passed it by."""
+def test_the_greedy_that_overflows_by_packing_works_within_the_exact_paths_peak() -> None:
+    """Where a few tokens fit nowhere by packing (none heavier than the cap), the exact path
+    raises every device's cap to the least peak any assignment reaches (27 here); the
+    greedy kept the other devices within the cap and scored this placement 110.95 against
+    the exact path's 130.17 at the same peak, so CEO's search, which scores its samples with
+    the greedy, passed it by."""
     from planner.solve.problem import LayerProblem
 
     p = LayerProblem(PACKED_W, PACKED_A, 4)
