@@ -156,6 +156,8 @@ BAD_ARGUMENTS = [
     ("solve_quality.py", ["--seed", "-1"], "--seed"),
     ("solve_quality.py", ["--counts", "{counts}"], "model, domain, layer"),
     ("replan_moves.py", ["--costs", "x"], "--costs"),
+    ("solve_fuzz.py", ["--seeds", "5:2"], "--seeds"),
+    ("solve_fuzz.py", ["--out", "{tmp}/missing/x.json"], "--out"),
     (
         "compare_traces.py",
         ["--sources", "synth-mixtral", "--seeds", "0", "--ep", "2", "--ngram", "bogus"],

@@ -171,22 +171,25 @@ def _assign_tokens(
             # placement is scored under one rule; the ILP's start_load, whose start is
             # this assignment), else by what the steps below reach (the slack rule's alone
             # had let a device go to 86 where the greedy kept every device within 52, cap
-            # 50.5); where the program finds no assignment within either in its node
-            # limit, the greedy's own (the slack rule's program had taken a 30-token layer
-            # at beta 1 from the greedy's peak of 29.5 to 42.2, cap 29.2)
+            # 50.5); where the program finds no assignment within the greedy's in its
+            # node limit, the greedy's own (the slack rule's program had taken a 30-token
+            # layer at beta 1 from the greedy's peak of 29.5 to 42.2, cap 29.2)
             greedy = _assign_tokens(gain, freq, capacity, prices, sweeps, False, effort)
             reached = np.bincount(greedy.token_to_device[busy], weights=freq[busy], minlength=e)
             reached_lift = float((reached - room).max())
-            least = least_lift(freq[busy], room)
-            lifts = [reached_lift]
-            if least is not None and least < reached_lift - tol:
-                lifts.insert(0, least)
+            packing = least_packing(freq[busy], room)
             heaviest = float(freq[busy].max())
-            for lift in lifts:
-                if lift < heaviest:
-                    solved = _assign_exact(gain[busy], freq[busy], room + lift)
-                    if solved is not None:
-                        break
+            if packing is not None and packing[0] < min(reached_lift - tol, heaviest):
+                lift, packed = packing
+                solved = _assign_exact(gain[busy], freq[busy], room + lift)
+                if solved is None:
+                    # the program finds none within its node limit under the least lift: the
+                    # packing that needs no more, its tokens moved and traded within it
+                    # (where a placement's own greedy peak was used instead, CEO's and
+                    # METIS' plans went to 157 and 164 where every other method kept 154)
+                    solved = _improved_within(gain[busy], freq[busy], room + lift, packed, tol)
+            elif reached_lift < heaviest:
+                solved = _assign_exact(gain[busy], freq[busy], room + reached_lift)
             if solved is None and reached_lift >= heaviest:
                 # then one maximal token above the cap, the slack rule of
                 # planner.solve.problem and the ILP's last fallback
@@ -286,13 +289,20 @@ def least_lift(freq: np.ndarray, room: np.ndarray) -> float | None:
     ``room + s`` on every device (a makespan problem; it does not depend on the gains): the
     best the 0-1 program finds within its node limit (the least wherever it proves it), None
     where it finds none. For a few tokens, as on the exact path; cached by its inputs."""
+    packing = least_packing(freq, room)
+    return None if packing is None else packing[0]
+
+
+def least_packing(freq: np.ndarray, room: np.ndarray) -> tuple[float, np.ndarray] | None:
+    """(:func:`least_lift`, an assignment [J] that needs no more), None where none is found."""
     freq = np.ascontiguousarray(freq, dtype=np.float64)
     room = np.ascontiguousarray(room, dtype=np.float64)
-    return _least_lift(freq.tobytes(), room.tobytes())
+    found = _least_packing(freq.tobytes(), room.tobytes())
+    return None if found is None else (found[0], np.frombuffer(found[1], dtype=np.int64).copy())
 
 
 @functools.lru_cache(maxsize=1024)
-def _least_lift(freq_bytes: bytes, room_bytes: bytes) -> float | None:
+def _least_packing(freq_bytes: bytes, room_bytes: bytes) -> tuple[float, bytes] | None:
     freq, room = np.frombuffer(freq_bytes), np.frombuffer(room_bytes)
     cost = np.zeros(freq.size * room.size + 1)
     cost[-1] = 1.0  # minimise the one continuous variable s: load_d - s <= room_d
@@ -300,7 +310,8 @@ def _least_lift(freq_bytes: bytes, room_bytes: bytes) -> float | None:
     t = _solve_assignment(cost, load, [(1.0, room)], extra=1)
     if t is None:
         return None
-    return max(float((np.bincount(t, weights=freq, minlength=room.size) - room).max()), 0.0)
+    lift = max(float((np.bincount(t, weights=freq, minlength=room.size) - room).max()), 0.0)
+    return lift, t.tobytes()
 
 
 def _assign_exact(
@@ -314,6 +325,19 @@ def _assign_exact(
         heavy_fill_loads(freq, room) if heavy_fill else np.broadcast_to(freq[:, None], gain.shape)
     )
     return _solve_assignment(-gain.ravel(), load, [(1.0, room)])
+
+
+def _improved_within(
+    gain: np.ndarray, freq: np.ndarray, room: np.ndarray, start: np.ndarray, tol: float
+) -> np.ndarray:
+    """``start`` (within ``room``) with tokens moved and traded to better devices within it."""
+    t = start.copy()
+    left = room - np.bincount(t, weights=freq, minlength=room.size)
+    every = np.argsort(-freq, kind="stable")
+    _move_to_room(gain, freq, left, t, tol)
+    _exchange(gain, freq, left, t, every, tol)
+    _move_to_room(gain, freq, left, t, tol)
+    return t
 
 
 def _solve_assignment(
