@@ -226,14 +226,11 @@ def _assign_tokens(
         )
     adjusted = gain[light] - freq[light, None] * light_price[None, :]
     token_to_device[light] = _regret_fill(adjusted, freq[light], room, tol, effort)
-    _move_to_room(gain, freq, room, token_to_device, tol, effort=effort)
     # integrality matters for heavy tokens: pairwise exchanges among them (all tokens when
     # there are few)
     cand = heavy if num_tokens > _EXCHANGE_TOKENS else busy
     cand = cand[np.argsort(-freq[cand], kind="stable")[:_EXCHANGE_TOKENS]]
-    if cand.size > 1:
-        _exchange(gain, freq, room, token_to_device, cand, tol, effort=effort)
-        _move_to_room(gain, freq, room, token_to_device, tol, effort=effort)
+    _move_and_trade(gain, freq, room, token_to_device, cand, tol, effort)
     if 0 < busy.size * e <= _EXACT_ENTRIES and np.isfinite(capacity).all():
         # a few tokens assigned without the exact path (a search scoring its samples):
         # where they fit nowhere by packing, the exact path's rule, every device's room
@@ -244,10 +241,7 @@ def _assign_tokens(
         if lift > tol and freq[busy].max() <= capacity.min():
             least = least_lift(freq[busy], capacity)
             room += lift if least is None else min(lift, least)
-            _move_to_room(gain, freq, room, token_to_device, tol, effort=effort)
-            if cand.size > 1:
-                _exchange(gain, freq, room, token_to_device, cand, tol, effort=effort)
-                _move_to_room(gain, freq, room, token_to_device, tol, effort=effort)
+            _move_and_trade(gain, freq, room, token_to_device, cand, tol, effort)
     return Assignment(token_to_device, price)
 
 
@@ -333,11 +327,17 @@ def _improved_within(
     """``start`` (within ``room``) with tokens moved and traded to better devices within it."""
     t = start.copy()
     left = room - np.bincount(t, weights=freq, minlength=room.size)
-    every = np.argsort(-freq, kind="stable")
-    _move_to_room(gain, freq, left, t, tol)
-    _exchange(gain, freq, left, t, every, tol)
-    _move_to_room(gain, freq, left, t, tol)
+    _move_and_trade(gain, freq, left, t, np.argsort(-freq, kind="stable"), tol, None)
     return t
+
+
+def _move_and_trade(gain, freq, room, token_to_device, cand, tol, effort) -> None:
+    """Tokens moved to better devices with room, then pairwise exchanges among ``cand``
+    (when there are two or more) and moves again (in place; ``room`` updated)."""
+    _move_to_room(gain, freq, room, token_to_device, tol, effort=effort)
+    if cand.size > 1:
+        _exchange(gain, freq, room, token_to_device, cand, tol, effort=effort)
+        _move_to_room(gain, freq, room, token_to_device, tol, effort=effort)
 
 
 def _solve_assignment(
