@@ -137,6 +137,17 @@ def choice_list(choices: Collection[str]) -> Callable[[str], list[str]]:
     return comma_list(item)
 
 
+def seed_range(text: str) -> tuple[int, int]:
+    """An argparse ``type``: ``A:B`` with 0 <= A < B."""
+    try:
+        lo, hi = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be A:B, got {text!r}") from None
+    if not 0 <= lo < hi:
+        raise argparse.ArgumentTypeError(f"must be A:B with 0 <= A < B, got {text!r}")
+    return lo, hi
+
+
 def output_path(text: str) -> str:
     """An argparse ``type`` for ``--out FILE``: refused before any work unless its folder
     exists and is writable (and the path is no folder itself)."""

@@ -24,7 +24,6 @@ layers, 5 for 45 big ones, on 2 cores.
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 
@@ -35,6 +34,7 @@ from _common import (  # (benchmarks/ is on sys.path when run as a script)
     bounded_int,
     emit_json,
     run,
+    seed_range,
 )
 
 from planner.solve.common import objective
@@ -122,17 +122,6 @@ def ratio(value: float, optimum: float) -> float:
     return value / optimum if optimum > 0 else 1.0 - (optimum - value) / max(abs(optimum), 1.0)
 
 
-def _seed_range(text: str) -> tuple[int, int]:
-    """An argparse ``type``: ``A:B`` with 0 <= A < B."""
-    try:
-        lo, hi = (int(part) for part in text.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be A:B, got {text!r}") from None
-    if not 0 <= lo < hi:
-        raise argparse.ArgumentTypeError(f"must be A:B with 0 <= A < B, got {text!r}")
-    return lo, hi
-
-
 def main() -> int:
     parser = ArgumentParser(__doc__)
     parser.add_argument(
@@ -140,7 +129,7 @@ def main() -> int:
         help="small: 4-8 experts, 3-15 tokens; big: 12-16 experts, 4-13 tokens (default small)",
     )  # fmt: skip
     parser.add_argument(
-        "--seeds", type=_seed_range, default=None,
+        "--seeds", type=seed_range, default=None,
         help="A:B, the seeds base+A .. base+B-1 (default 0:120 small, 0:45 big)",
     )  # fmt: skip
     parser.add_argument(

@@ -158,6 +158,8 @@ BAD_ARGUMENTS = [
     ("replan_moves.py", ["--costs", "x"], "--costs"),
     ("solve_fuzz.py", ["--seeds", "5:2"], "--seeds"),
     ("solve_fuzz.py", ["--out", "{tmp}/missing/x.json"], "--out"),
+    ("token_packing.py", ["--seeds", "x"], "--seeds"),
+    ("token_packing.py", ["--out", "{tmp}/missing/x.json"], "--out"),
     (
         "compare_traces.py",
         ["--sources", "synth-mixtral", "--seeds", "0", "--ep", "2", "--ngram", "bogus"],

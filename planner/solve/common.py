@@ -22,7 +22,9 @@ Shapes: J tokens, N experts, E devices, P = N/E experts per device.
 - :func:`canonical_labels`: one labelling per partition (devices are interchangeable).
 - :func:`objective`, :func:`evaluate`, :func:`batch_overflow`, :func:`net_objective`: what a placement is worth,
   and what the runtime's per-batch cap would take back from it.
-- :func:`finish`: assignment + metrics + validation -> :class:`LayerPlacement`.
+- :func:`finish`: assignment + metrics + validation -> :class:`LayerPlacement` (a layer of
+  a few tokens a device left over the cap is packed within it by the exact program,
+  :func:`planner.solve.assign.within_cap`).
 - :func:`check_options`: every solver's option validation.
 
 The search kernels take an optional ``effort`` meter (:mod:`planner.solve.effort`) and charge
@@ -44,6 +46,7 @@ from planner.solve.assign import (
     assign_penalised_exact,
     assign_tokens,
     descending_within_groups,
+    within_cap,
 )
 from planner.solve.effort import Effort, charge
 from planner.solve.problem import LOAD_RTOL, LayerPlacement, LayerProblem
@@ -377,6 +380,13 @@ def finish(
         t = assign_for_problem(problem, gain).token_to_device
     else:
         t = np.asarray(token_to_device, dtype=np.int64)
+    info = dict(info or {})
+    if problem.balance == "cap" and method != "ilp":
+        # a few tokens a device left over the cap: the exact program's assignment within it,
+        # once (the ILP's plan is its own program's)
+        packed = within_cap(gain, problem.token_freq, problem.capacity, t)
+        if packed is not t:
+            t, info["tokens_packed_within_cap"] = packed, True
     local = float(gain[np.arange(t.size), t].sum())
     placement = LayerPlacement(
         expert_to_device=x,
@@ -388,7 +398,7 @@ def finish(
         seconds=time.perf_counter() - started,
         seed=int(seed),
         method=method,
-        info=dict(info or {}),
+        info=info,
     )
     placement.validate(problem)
     return placement

@@ -34,6 +34,7 @@ COSTS: dict[str, tuple[float, float, float]] = {
     "regret_fill": (150.0, 0.02, 6.0),  # call: a proposal round; step: a token placed alone
     "exchange": (25.0, 0.006, 0.0),  # call: an exchange step; entry: a candidate pair
     "move_to_room": (35.0, 0.003, 1.1),  # call: a pass; step: a candidate move
+    "relieve_overflow": (60.0, 0.02, 0.0),  # call: a move or trade; entry: token x device
     "swap_candidates": (60.0, 0.04, 0.0),  # entry: token x device
     "swap_pair": (55.0, 0.018, 0.0),  # call: a device pair; entry: a token x swap pair
     "place_experts": (20.0, 0.004, 0.011),  # entry: a nonzero of W; step: an N x N entry
