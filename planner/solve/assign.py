@@ -460,9 +460,10 @@ def within_cap(
     """``token_to_device``, or where it leaves a device over the cap (beyond a token heavier
     than the cap filling a device alone) on a layer of at most ``_REPAIR_ENTRIES`` loaded
     token x device entries where a packing within the cap is found (:func:`packing_within`,
-    else :func:`least_packing`), an assignment within it: the exact program's, else that packing with its tokens moved
-    and traded within it. Layers of at most ``_EXACT_ENTRIES`` entries are left as they are
-    (their assignment was the exact path's already).
+    else :func:`least_packing`), an assignment within it: the exact program's, else that
+    packing with its tokens moved and traded within it. Layers of at most
+    ``_EXACT_ENTRIES`` entries are left as they are (their assignment was the exact
+    path's already).
 
     The greedy packs a few tokens a device worst: on 100 tokens at beta 1.1 on 32 devices
     it left a device at 1.026 of the cap (token imbalance 1.13) with 1861 local

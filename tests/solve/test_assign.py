@@ -340,7 +340,6 @@ def test_where_the_program_finds_nothing_below_the_slack_rule_the_greedy_is_kept
     assert np.bincount(t, weights=PACKED_A, minlength=4).max() == 27.0
 
 
-
 def test_an_overflow_is_relieved_only_where_every_device_comes_within_the_cap() -> None:
     a = np.array([6.0, 6.0, 7.0, 4.0, 5.0, 3.0])
     start = np.array([0, 0, 1, 1, 2, 2])

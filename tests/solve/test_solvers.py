@@ -862,7 +862,6 @@ def test_where_the_program_misses_the_least_peak_every_method_still_keeps_it() -
         assert p.objective <= exact.objective * (1 + 1e-9), method
 
 
-
 def test_a_few_tokens_a_device_are_packed_within_the_cap_by_every_method() -> None:
     # 60 tokens at beta 1 on 8 devices (cap 88): the greedy's tokens that fit nowhere went
     # to the emptiest device, and every method's plan had a device at 90 or 91 where
