@@ -402,15 +402,15 @@ def _relieve_overflow(
         on_over = on_over[np.argsort(-f[on_over], kind="stable")[:_EXCHANGE_TOKENS]]
         src = t[on_over]
         own = gain[busy[on_over], src]
-        best_rate, best_step = -np.inf, None
+        best_rate, best_step = -np.inf, None  # best_step: (token in on_over, device, other)
         # moves: a token of an over-full device to a device with room for it
         fits = (f[on_over, None] <= room[None, :] + tol) & ~over[None, :]
         if fits.any():
             relief = np.minimum(f[on_over], excess[src])
             rate = np.where(fits, (gain[busy[on_over]] - own[:, None]) / relief[:, None], -np.inf)
-            a, q = np.unravel_index(int(rate.argmax()), rate.shape)
-            if np.isfinite(rate[a, q]):
-                best_rate, best_step = float(rate[a, q]), (a, q, -1)
+            i, q = (int(k) for k in np.unravel_index(int(rate.argmax()), rate.shape))
+            if np.isfinite(rate[i, q]):
+                best_rate, best_step = float(rate[i, q]), (i, q, -1)
         # trades: with a lighter token of a device within its capacity, which stays so
         others = np.flatnonzero(~over[t] & (f < f[on_over].max()))
         others = others[np.argsort(-f[others], kind="stable")[:_EXCHANGE_TOKENS]]
@@ -427,15 +427,15 @@ def _relieve_overflow(
                     - gain[busy[others], dst][None, :]
                 )
                 rate = np.where(ok, delta / np.where(ok, relief, 1.0), -np.inf)
-                a, b = np.unravel_index(int(rate.argmax()), rate.shape)
-                if rate[a, b] > best_rate:
-                    best_step = (a, int(dst[b]), int(others[b]))
+                i, k = (int(v) for v in np.unravel_index(int(rate.argmax()), rate.shape))
+                if rate[i, k] > best_rate:
+                    best_step = (i, int(dst[k]), int(others[k]))
         if best_step is None:
             break
-        a, q, b = best_step
-        if b >= 0:  # a trade: b takes a's device
-            plan[busy[b]] = src[a]
-        plan[busy[on_over[a]]] = q
+        i, q, other = best_step
+        if other >= 0:  # a trade: the other token takes this one's device
+            plan[busy[other]] = src[i]
+        plan[busy[on_over[i]]] = q
     if heavy_fill_excess(f, plan[busy], capacity).max() > tol or (plan == token_to_device).all():
         return False
     token_to_device[:] = plan
